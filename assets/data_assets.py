@@ -1,0 +1,101 @@
+"""raw_examples → training_dataset: source records for a day, then tokenized, packed Parquet."""
+
+
+import json
+from dataclasses import dataclass
+
+import dagster as dg
+from pydantic import Field
+
+from assets.partitions import DAILY
+from resources import TesseraStorage
+from training_core.base_model import BaseModelRef, load_tokenizer
+from training_core.data.dataset_writer import DatasetSpec, PublishedDataset, write_dataset
+from training_core.data.demo_task import generate_records
+from training_core.data.sources import read_records
+from training_core.errors import EmptyPartitionError
+from training_core.storage import directory_digest, publish_directory, staging_directory
+
+
+@dataclass(frozen=True)
+class RawPartition:
+    path: str
+    records: int
+    digest: str
+
+
+class RawExamplesConfig(dg.Config):
+    source: str = Field(
+        "demo",
+        description="'demo' generates the cipher task from the partition key; otherwise a JSONL/CSV/Parquet "
+        "file or folder with `prompt` and `response` fields. '{partition}' is replaced by the day.",
+    )
+    records_per_partition: int = Field(4000, gt=0, description="demo only: records generated per day")
+    seed: int = Field(0, description="demo only: generator seed")
+
+
+@dg.asset(partitions_def=DAILY, group_name="data", kinds={"parquet"})
+def raw_examples(context: dg.AssetExecutionContext, config: RawExamplesConfig, storage: TesseraStorage):
+    """Source records (prompt, response) for one day, frozen as JSONL under datasets/raw/."""
+    day = context.partition_key
+    if config.source == "demo":
+        records = generate_records(day, config.records_per_partition, config.seed)
+    else:
+        records = read_records(config.source.replace("{partition}", day))
+    if not records:
+        raise EmptyPartitionError(f"partition {day}: source {config.source} has no records")
+    with staging_directory(storage.folder("datasets") / "raw" / day) as staging:
+        with (staging / "records.jsonl").open("w", encoding="utf-8") as handle:
+            for record in records:
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        digest = directory_digest(staging)
+        final = publish_directory(staging, storage.folder("datasets") / "raw" / day / digest[:16])
+    context.log.info("partition %s: %d records from %s", day, len(records), config.source)
+    return dg.Output(
+        RawPartition(path=str(final / "records.jsonl"), records=len(records), digest=digest),
+        metadata={"records": len(records), "digest": digest, "path": str(final)},
+        data_version=dg.DataVersion(digest),
+    )
+
+
+class TrainingDatasetConfig(dg.Config):
+    seq_len: int = Field(64, gt=0, description="tokens per packed training row")
+    row_group_rows: int = Field(128, gt=0, description="rows per Parquet row group (the loader's unit)")
+    rows_per_file: int = Field(1024, gt=0, description="rows per Parquet file")
+    eval_fraction: float = Field(0.05, gt=0.0, lt=1.0, description="share of prompts held out for evaluation")
+    max_eval_examples: int = Field(200, gt=0)
+
+
+@dg.asset(partitions_def=DAILY, group_name="data", kinds={"parquet"})
+def training_dataset(
+    context: dg.AssetExecutionContext,
+    config: TrainingDatasetConfig,
+    storage: TesseraStorage,
+    raw_examples: RawPartition,
+    base_model: BaseModelRef,
+):
+    """Tokenized (base model's tokenizer), packed Parquet plus a held-out eval split, published
+    atomically under datasets/training/<day>/<digest>. The content digest is the data version."""
+    records = read_records(raw_examples.path)
+    spec = DatasetSpec(**config.model_dump())
+    dataset: PublishedDataset = write_dataset(
+        records,
+        load_tokenizer(base_model.name_or_path),
+        storage.folder("datasets") / "training" / context.partition_key,
+        spec,
+        source_label=f"partition {context.partition_key}",
+        extra_manifest={"raw_digest": raw_examples.digest, "tokenizer": base_model.digest},
+    )
+    return dg.Output(
+        dataset,
+        metadata={
+            "path": dg.MetadataValue.path(dataset.path),
+            "digest": dataset.digest,
+            "train_rows": dataset.train_rows,
+            "train_examples": dataset.train_examples,
+            "eval_examples": dataset.eval_examples,
+            "row_groups": dataset.row_groups,
+            "tokens": dataset.tokens,
+        },
+        data_version=dg.DataVersion(dataset.digest),
+    )

@@ -1,0 +1,134 @@
+"""`tessera` command line: demo, reproduce, bench."""
+
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def _prepare_home(home: str | None) -> Path:
+    from resources.paths import default_home
+
+    root = Path(home).resolve() if home else default_home()
+    os.environ["TESSERA_HOME"] = str(root)
+    dagster_home = root / "dagster"
+    dagster_home.mkdir(parents=True, exist_ok=True)
+    settings = dagster_home / "dagster.yaml"
+    if not settings.exists():
+        settings.write_text("telemetry:\n  enabled: false\n")
+    os.environ["DAGSTER_HOME"] = str(dagster_home)
+    return root
+
+
+def demo(args: argparse.Namespace) -> int:
+    root = _prepare_home(args.home)
+    import dagster as dg
+
+    from assets.partitions import DEMO_PARTITION
+    from pipelines.definitions import defs
+
+    console.rule(f"[bold]Tessera demo[/] — partition {DEMO_PARTITION}, state in {root}")
+    job = defs.resolve_job_def("train_and_promote")
+    with console.status("materializing raw_examples → … → promoted_model (Dagster logs below)"):
+        result = job.execute_in_process(
+            partition_key=DEMO_PARTITION, instance=dg.DagsterInstance.get(), raise_on_error=False
+        )
+    if not result.success:
+        console.print("[red]demo failed[/]; see the Dagster log above")
+        return 1
+    summary = _summarize(result)
+    _print_summary(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _summarize(result) -> dict:
+    dataset = result.output_for_node("training_dataset")
+    cache = result.output_for_node("row_group_cache")
+    trained = result.output_for_node("lora_adapter")
+    report = result.output_for_node("evaluation")
+    training_event = next(
+        e for e in result.get_asset_materialization_events() if e.asset_key.path[-1] == "lora_adapter"
+    )
+    training_metadata = training_event.materialization.metadata
+    return {
+        "train_rows": dataset.train_rows,
+        "dataset_digest": dataset.digest,
+        "cache_version": cache.cache_version,
+        "cache_hit_rate": cache.hit_rate,
+        "tokens_per_s": training_metadata["tokens_per_s"].value,
+        "eval_loss_base": report.base.loss,
+        "eval_loss_trained": report.trained.loss,
+        "exact_match_base": report.base.exact_match,
+        "exact_match_trained": report.trained.exact_match,
+        "mlflow_run_id": trained.mlflow_run_id,
+        "model_dir": trained.model_dir,
+    }
+
+
+def _print_summary(summary: dict) -> None:
+    table = Table(title="Tessera demo summary", show_header=True)
+    table.add_column("what")
+    table.add_column("value", overflow="fold")
+    table.add_row("training rows", str(summary["train_rows"]))
+    table.add_row("dataset digest", summary["dataset_digest"][:16])
+    table.add_row("cache version / warm hit rate", f"{summary['cache_version']} / {summary['cache_hit_rate']:.2f}")
+    table.add_row("train tokens/s", f"{summary['tokens_per_s']:.0f}")
+    table.add_row("eval loss base → trained", f"{summary['eval_loss_base']:.3f} → {summary['eval_loss_trained']:.3f}")
+    table.add_row("exact-match base → trained",
+                  f"{summary['exact_match_base']:.1%} → {summary['exact_match_trained']:.1%}")
+    table.add_row("MLflow run id", summary["mlflow_run_id"])
+    console.print(table)
+    console.print("Open the UIs: [bold]make ui[/] (Dagster http://127.0.0.1:3000, MLflow http://127.0.0.1:5000)")
+
+
+def bench(args: argparse.Namespace) -> int:
+    if args.which == "loader":
+        from bench import loader
+
+        loader.main(["--quick"] if args.quick else [])
+        return 0
+    from bench import training
+
+    training.main(["--quick"] if args.quick else [])
+    return 0
+
+
+def reproduce(args: argparse.Namespace) -> int:
+    _prepare_home(args.home)
+    from pipelines.reproduce import reproduce_run
+
+    return reproduce_run(args.run_id, console)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="tessera", description="Reproducible LLM fine-tuning pipeline")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_demo = sub.add_parser("demo", help="materialize the whole asset graph on embedded defaults")
+    p_demo.add_argument("--home", help="state directory (default $TESSERA_HOME or .tessera/)")
+    p_demo.add_argument("--json", help="also write the summary as JSON to this file")
+    p_demo.set_defaults(handler=demo)
+    p_repro = sub.add_parser("reproduce", help="rerun a training run from its MLflow lineage")
+    p_repro.add_argument("run_id")
+    p_repro.add_argument("--home")
+    p_repro.set_defaults(handler=reproduce)
+    p_bench = sub.add_parser("bench", help="run a benchmark; writes bench/results/<name>.json and .png")
+    p_bench.add_argument("which", choices=["loader", "train"])
+    p_bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p_bench.set_defaults(handler=bench)
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

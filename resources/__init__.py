@@ -1,0 +1,6 @@
+from resources.mlflow_tracker import MlflowTracker
+from resources.paths import TesseraStorage
+from resources.ray_cluster import ExternalRayCluster, LocalRayCluster
+from resources.row_group_cache import RowGroupCache
+
+__all__ = ["ExternalRayCluster", "LocalRayCluster", "MlflowTracker", "RowGroupCache", "TesseraStorage"]

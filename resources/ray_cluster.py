@@ -1,0 +1,75 @@
+"""Ray clusters for training, behind dagster-ray's `RayResource` interface.
+
+- `LocalRayCluster`: in-process local Ray (default; tests share one Ray per session).
+- `ExternalRayCluster`: a running cluster (`ray start --head`), by address.
+- Production on Kubernetes: dagster-ray's `KubeRayCluster` (see deploy/ and README "Scaling out").
+"""
+
+
+from typing import Any
+
+from dagster_ray import LocalRay, RayResource
+from pydantic import Field, PrivateAttr
+
+
+class _SharesRunningRay:
+    """If this process already runs Ray (a test session, the CLI), use it and leave it running."""
+
+    _owns_ray: bool = PrivateAttr(default=True)
+
+    def connect(self, context):  # type: ignore[override]
+        import ray
+
+        if ray.is_initialized():
+            self._owns_ray = False
+            return None
+        self._owns_ray = True
+        return super().connect(context)  # type: ignore[misc]
+
+    def cleanup(self, context, exception):  # type: ignore[override]
+        if self._owns_ray:
+            super().cleanup(context, exception)  # type: ignore[misc]
+
+
+class LocalRayCluster(_SharesRunningRay, LocalRay):
+    """In-process Ray on this machine."""
+
+    ray_init_options: dict[str, Any] = Field(
+        default_factory=lambda: {"logging_level": "warning"},
+        description="extra ray.init() arguments, e.g. {'num_cpus': 2}",
+    )
+
+
+class ExternalRayCluster(_SharesRunningRay, RayResource):
+    """A Ray cluster that is already running, reached by its GCS address (e.g. 127.0.0.1:6379)."""
+
+    address: str = Field(description="GCS address of the head node, e.g. 10.0.0.5:6379 or 'auto'")
+
+    @property
+    def host(self) -> str:
+        return self.address.split(":")[0]
+
+    @property
+    def name(self) -> str:
+        return f"ray-cluster@{self.address}"
+
+    @property
+    def ray_address(self) -> str:  # type: ignore[override]
+        return self.address
+
+    @property
+    def created(self) -> bool:
+        return True
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+
+def gpu_available_in_cluster() -> bool:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+__all__ = ["LocalRayCluster", "ExternalRayCluster", "RayResource", "gpu_available_in_cluster"]

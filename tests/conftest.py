@@ -1,0 +1,41 @@
+"""Shared fixtures. Ray starts once per test session (it costs seconds), never per test."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+
+import pytest  # noqa: E402
+
+from training_core.base_model import TinyLlamaSpec, build_demo_model, load_tokenizer  # noqa: E402
+from training_core.data.dataset_writer import DatasetSpec, write_dataset  # noqa: E402
+from training_core.data.demo_task import generate_records, tokenizer_corpus  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, logging_level="warning")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory):
+    return build_demo_model(tokenizer_corpus(), TinyLlamaSpec(), tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def demo_dataset(tmp_path_factory, demo_model):
+    records = generate_records("2026-11-01", 2000)
+    return write_dataset(
+        records, load_tokenizer(demo_model.name_or_path), tmp_path_factory.mktemp("datasets"),
+        DatasetSpec(row_group_rows=64), source_label="test",
+    )

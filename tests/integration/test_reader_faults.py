@@ -1,0 +1,195 @@
+"""Failure paths of the row-group reader: errors keep their cause, nothing hangs, threads stop."""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+from training_core.data import CacheConfig, RowGroupReader
+from training_core.data.parquet_files import ReadTimeoutError, RowGroupReadError
+from training_core.data.workers import TransformError
+
+
+def write_dataset(directory: Path, rows: int = 400, row_group_size: int = 50) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    ids = np.arange(rows, dtype=np.int64)
+    pq.write_table(pa.table({"id": ids, "x": ids.astype(np.float32)}), directory / "a.parquet",
+                   row_group_size=row_group_size)
+    return directory
+
+
+def reader_threads(reader: RowGroupReader) -> list[str]:
+    prefix = f"tessera-reader-{reader._id}-"
+    return [t.name for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
+
+
+class _GatedFile:
+    """File wrapper whose reads block on ``gate`` once ``armed`` is set (a hung object store)."""
+
+    def __init__(self, inner, armed: threading.Event, gate: threading.Event) -> None:
+        self._inner, self._armed, self._gate = inner, armed, gate
+
+    def read(self, *args):
+        if self._armed.is_set():
+            self._gate.wait()  # released by the test, so the thread can finish
+        return self._inner.read(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._inner.close()
+
+
+class HangingFileSystem(LocalFileSystem):
+    def __init__(self, armed: threading.Event, gate: threading.Event, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.armed, self.gate = armed, gate
+
+    def _open(self, path, mode="rb", **kwargs):
+        return _GatedFile(super()._open(path, mode, **kwargs), self.armed, self.gate)
+
+
+class FlakyFileSystem(LocalFileSystem):
+    """Every open fails with OSError until ``failures`` opens have failed."""
+
+    def __init__(self, failures: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.failures, self.calls = failures, 0
+
+    def _open(self, path, mode="rb", **kwargs):
+        self.calls += 1
+        if self.calls > 1 and self.failures > 0:  # the first open reads the footer
+            self.failures -= 1
+            raise OSError(f"simulated transient failure opening {path}")
+        return super()._open(path, mode, **kwargs)
+
+
+def test_transform_error_surfaces_with_its_cause(tmp_path):
+    data = write_dataset(tmp_path / "d")
+
+    def broken(columns):
+        if columns["id"][0] >= 200:
+            raise ValueError("bad row in transform")
+        return columns
+
+    reader = RowGroupReader(data, batch_size=50, shuffle=False, shuffle_buffer_row_groups=1, transform=broken,
+                            transform_version="broken")
+    seen = []
+    with pytest.raises(TransformError, match=r"a\.parquet row group 4: transform raised ValueError") as info:
+        for batch in reader:
+            seen.append(batch["id"])
+    assert isinstance(info.value.__cause__, ValueError)
+    assert np.concatenate(seen).tolist() == list(range(200))
+    reader.close()
+    assert reader_threads(reader) == []
+
+
+def test_hanging_storage_raises_within_read_timeout(tmp_path):
+    data = write_dataset(tmp_path / "d")
+    armed, gate = threading.Event(), threading.Event()
+    fs = HangingFileSystem(armed, gate)
+    reader = RowGroupReader(str(data), filesystem=fs, batch_size=50, read_timeout_s=0.5, workers=2)
+    armed.set()
+    began = time.monotonic()
+    try:
+        with pytest.raises(ReadTimeoutError, match=r"row group \d+: no result after read_timeout_s=0.5s"):
+            next(iter(reader))
+        assert time.monotonic() - began < 3.0
+    finally:
+        gate.set()  # the hung reads return now; their daemon threads see the stop event and exit
+        reader.close()
+    for thread in threading.enumerate():
+        if thread.name.startswith(f"tessera-reader-{reader._id}-"):
+            thread.join(timeout=5.0)
+    assert reader_threads(reader) == []
+
+
+def test_transient_read_errors_are_retried(tmp_path):
+    data = write_dataset(tmp_path / "d", rows=100, row_group_size=100)
+    fs = FlakyFileSystem(failures=2)
+    with RowGroupReader(str(data), filesystem=fs, batch_size=100, workers=1) as reader:
+        assert sorted(next(iter(reader))["id"].tolist()) == list(range(100))
+    assert fs.failures == 0
+
+
+def test_persistent_read_errors_name_the_row_group(tmp_path):
+    data = write_dataset(tmp_path / "d", rows=100, row_group_size=100)
+    fs = FlakyFileSystem(failures=100)
+    with RowGroupReader(str(data), filesystem=fs, batch_size=100, workers=1) as reader:
+        with pytest.raises(RowGroupReadError, match=r"a\.parquet row group 0: read failed after 3 attempt") as info:
+            next(iter(reader))
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_corrupted_cache_file_is_detected_counted_and_reread(tmp_path):
+    data = write_dataset(tmp_path / "d", rows=4000, row_group_size=1000)
+    cache = CacheConfig(tmp_path / "cache", 2**26, shards=1)
+    with RowGroupReader(data, batch_size=4000, shuffle=False, cache=cache) as reader:
+        expected = next(iter(reader))["id"].copy()
+    values = sorted((tmp_path / "cache").rglob("*.val"))
+    assert len(values) == 4
+    with open(values[0], "r+b") as handle:
+        handle.seek(200)
+        handle.write(b"\xde\xad\xbe\xef")
+    with open(values[1], "r+b") as handle:
+        handle.truncate(100)
+    with RowGroupReader(data, batch_size=4000, shuffle=False, cache=cache) as reader:
+        assert np.array_equal(next(iter(reader))["id"], expected)
+        stats = reader.stats
+    assert stats.cache_corruptions == 2 and stats.cache_hits == 2 and stats.cache_misses == 2
+    with RowGroupReader(data, batch_size=4000, shuffle=False, cache=cache) as reader:
+        next(iter(reader))
+        assert reader.stats.cache_hits == 4, "re-read entries are stored again"
+
+
+def test_abandoned_iterator_stops_all_threads(tmp_path):
+    data = write_dataset(tmp_path / "d", rows=4000, row_group_size=100)
+    reader = RowGroupReader(data, batch_size=10, workers=4, prefetch_batches=2)
+    iterator = iter(reader)
+    next(iterator)
+    assert len(reader_threads(reader)) == 5  # 4 decoders + 1 assembler
+    del iterator
+    gc.collect()
+    assert reader_threads(reader) == []
+    for batch in reader:  # the reader itself stays usable
+        break
+    reader.close()
+    assert reader_threads(reader) == []
+
+
+def test_abandoned_for_loop_and_context_manager_stop_threads(tmp_path):
+    data = write_dataset(tmp_path / "d", rows=4000, row_group_size=100)
+    with RowGroupReader(data, batch_size=10, workers=2) as reader:
+        for _ in reader:
+            break
+        gc.collect()
+        assert reader_threads(reader) == []
+        iterator = iter(reader)
+        next(iterator)
+    assert reader_threads(reader) == []
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+def test_fsspec_memory_filesystem_instance(tmp_path):
+    data = write_dataset(tmp_path / "d", rows=120, row_group_size=40)
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/faults/a.parquet", (data / "a.parquet").read_bytes())
+    try:
+        with RowGroupReader("/faults", filesystem=memory, batch_size=40, seed=3) as reader:
+            ids = np.concatenate([batch["id"] for batch in reader])
+    finally:
+        memory.rm("/faults", recursive=True)
+    assert sorted(ids.tolist()) == list(range(120))

@@ -1,0 +1,31 @@
+"""Fixtures for the row-group reader tests: small Parquet datasets with known row ids."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+
+def write_ids_dataset(directory: Path, layout: list[tuple[int, int]], token_width: int = 4) -> Path:
+    """Write one file per ``(rows, row_group_size)`` with a global ``id`` and ``id``-derived tokens."""
+    directory.mkdir(parents=True, exist_ok=True)
+    offset = 0
+    for index, (rows, row_group_size) in enumerate(layout):
+        ids = np.arange(offset, offset + rows, dtype=np.int64)
+        tokens = (ids[:, None] * 10 + np.arange(token_width)).astype(np.int32)
+        table = pa.table({
+            "id": ids,
+            "tokens": pa.FixedSizeListArray.from_arrays(tokens.ravel(), token_width).cast(pa.list_(pa.int32())),
+        })
+        pq.write_table(table, directory / f"part-{index:03d}.parquet", row_group_size=row_group_size)
+        offset += rows
+    return directory
+
+
+@pytest.fixture
+def ids_dataset(tmp_path: Path) -> Path:
+    """1 000 rows in 3 files with uneven row groups (130, 200, 7 rows)."""
+    return write_ids_dataset(tmp_path / "ids", [(600, 130), (350, 200), (50, 7)])

@@ -1,0 +1,158 @@
+"""Row-group cache: payload format, checksums, keys vs rewritten files, quota policies, processes."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from training_core.data import CacheConfig, CacheWarmReport, RowGroupReader, cache_version, warm_cache
+from training_core.data.cache import CorruptEntryError, RowGroupCache, decode_payload, encode_payload
+
+from .conftest import write_ids_dataset
+
+
+def sample_columns() -> dict[str, np.ndarray]:
+    ragged = np.empty(3, dtype=object)
+    ragged[:] = [np.arange(2, dtype=np.int16), np.arange(0, dtype=np.int16), np.arange(5, dtype=np.int16)]
+    mixed = np.empty(3, dtype=object)
+    mixed[:] = [None, "x", 1]
+    return {
+        "ids": np.arange(3, dtype=np.int64),
+        "tokens": np.arange(12, dtype=np.int32).reshape(3, 4),
+        "score": np.array([0.5, np.nan, 2.0]),
+        "text": np.array(["a", "", "ünï"], dtype=object),
+        "ragged": ragged,
+        "mixed": mixed,
+    }
+
+
+def test_payload_round_trip_keeps_values_dtypes_and_shapes():
+    columns = sample_columns()
+    decoded = decode_payload(encode_payload(columns))
+    assert list(decoded) == list(columns)
+    for name in ("ids", "tokens", "score"):
+        assert decoded[name].dtype == columns[name].dtype and decoded[name].shape == columns[name].shape
+        np.testing.assert_array_equal(decoded[name], columns[name])
+    assert list(decoded["text"]) == ["a", "", "ünï"]
+    assert [r.tolist() for r in decoded["ragged"]] == [[0, 1], [], [0, 1, 2, 3, 4]]
+    assert decoded["ragged"][0].dtype == np.int16
+    assert list(decoded["mixed"]) == [None, "x", 1]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "magic"])
+def test_damaged_payload_is_detected(damage):
+    payload = bytearray(encode_payload(sample_columns()))
+    if damage == "flip":
+        payload[len(payload) // 2] ^= 0xFF
+    elif damage == "truncate":
+        payload = payload[: len(payload) - 10]
+    elif damage == "empty":
+        payload = bytearray()
+    else:
+        payload[:4] = b"XXXX"
+    with pytest.raises(CorruptEntryError):
+        decode_payload(bytes(payload))
+
+
+def test_rewritten_file_never_serves_stale_rows(tmp_path):
+    path = tmp_path / "data.parquet"
+    cache = CacheConfig(tmp_path / "cache", 2**26, shards=1)
+    pq.write_table(pa.table({"v": np.arange(10)}), path, row_group_size=5)
+    with RowGroupReader(path, batch_size=10, shuffle=False, cache=cache) as reader:
+        assert next(iter(reader))["v"].tolist() == list(range(10))
+    pq.write_table(pa.table({"v": np.arange(100, 110)}), path, row_group_size=5)
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # a rewrite within the mtime tick
+    with RowGroupReader(path, batch_size=10, shuffle=False, cache=cache) as reader:
+        assert next(iter(reader))["v"].tolist() == list(range(100, 110))
+        assert reader.stats.cache_hits == 0
+
+
+def entry(seed: int, rows: int = 1000) -> dict[str, np.ndarray]:
+    return {"x": np.full((rows, 25), seed, dtype=np.int32)}  # ~100 kB, stored as a file
+
+
+def test_evict_policy_stays_under_quota_and_keeps_newest(tmp_path):
+    cache = RowGroupCache(CacheConfig(tmp_path / "c", 1_000_000, policy="evict", shards=1))
+    for i in range(30):
+        assert cache.put(f"k{i}", entry(i))
+        assert cache.volume() <= 1_000_000
+    assert cache.counters.evictions > 0
+    assert cache.get("k29", "k29")["x"][0, 0] == 29
+    assert cache.get("k0", "k0") is None
+    cache.close()
+
+
+def test_stop_admitting_policy_keeps_first_entries(tmp_path):
+    cache = RowGroupCache(CacheConfig(tmp_path / "c", 1_000_000, policy="stop_admitting", shards=1))
+    stored = [cache.put(f"k{i}", entry(i)) for i in range(30)]
+    assert stored[0] and not stored[-1]
+    assert cache.counters.evictions == 0 and cache.counters.rejected == stored.count(False)
+    assert cache.volume() <= 1_000_000
+    assert cache.get("k0", "k0")["x"][0, 0] == 0
+    cache.close()
+
+
+def test_entry_larger_than_a_shard_is_not_stored(tmp_path):
+    cache = RowGroupCache(CacheConfig(tmp_path / "c", 400_000, shards=4))
+    assert not cache.put("big", entry(1))
+    assert cache.counters.rejected == 1 and len(cache) == 0
+    cache.close()
+
+
+def _writer(directory: str, policy: str, start: int, result) -> None:
+    cache = RowGroupCache(CacheConfig(directory, 1_500_000, policy=policy, shards=2))
+    peak, torn = 0, 0
+    for i in range(start, start + 40):
+        cache.put(f"k{i}", entry(i))
+        peak = max(peak, cache.volume())
+        other = cache.get(f"k{(i + 1000) % 2000}", "peer")  # read what the peer process may be writing
+        if other is not None and not np.all(other["x"] == other["x"][0, 0]):
+            torn += 1
+    result.put((peak, torn, cache.counters.corruptions))
+    cache.close()
+
+
+@pytest.mark.parametrize("policy", ["evict", "stop_admitting"])
+def test_two_processes_never_exceed_the_quota(tmp_path, policy):
+    context = multiprocessing.get_context("spawn")
+    result = context.Queue()
+    directory = str(tmp_path / "shared")
+    workers = [context.Process(target=_writer, args=(directory, policy, s, result)) for s in (0, 1000)]
+    for process in workers:
+        process.start()
+    outcomes = [result.get(timeout=120) for _ in workers]
+    for process in workers:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    cache = RowGroupCache(CacheConfig(directory, 1_500_000, policy=policy, shards=2))
+    assert cache.volume() <= 1_500_000
+    assert len(cache) > 0
+    cache.close()
+    for peak, torn, corruptions in outcomes:
+        assert peak <= 1_500_000 and torn == 0 and corruptions == 0
+    files = sum(p.stat().st_size for p in Path(directory).rglob("*.val"))
+    assert files <= 1_500_000
+
+
+def test_warm_cache_reports_and_versions(tmp_path):
+    data = write_ids_dataset(tmp_path / "d", [(300, 64)])
+    config = CacheConfig(tmp_path / "c", 2**26, shards=2)
+    first = warm_cache(data, config, columns=["id"], dataset_digest="abc")
+    assert isinstance(first, CacheWarmReport)
+    assert first.entries == 5 and first.misses == 5 and first.hits == 0 and first.bytes > 0
+    assert first.cache_version == cache_version("abc", ["id"], "none")
+    second = warm_cache(data, config, columns=["id"], dataset_digest="abc")
+    assert second.hits == 5 and second.hit_rate == 1.0
+    assert len(first.cache_version) == 16 and int(first.cache_version, 16) >= 0
+    assert cache_version("abc", ["id"], "none") != cache_version("abd", ["id"], "none")
+    assert cache_version("abc", ["id"], "none") != cache_version("abc", ["id", "tokens"], "none")
+    assert cache_version("abc", ["id"], "none") != cache_version("abc", ["id"], "v2")
+    with RowGroupReader(data, columns=["id"], cache=config) as reader:
+        assert sum(len(b["id"]) for b in reader) == 300
+        assert reader.stats.cache_hits == 5 and reader.stats.cache_misses == 0

@@ -1,0 +1,256 @@
+"""RowGroupReader on real Parquet files: order, sharding, resume, column rules, interop, torch."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from training_core.data import CacheConfig, ReaderStats, RowGroupReader, batch_to_torch
+from training_core.data.order import build_epoch_layout
+from training_core.data.order.invariants import rank_batches
+from training_core.data.parquet_files import SourceError
+
+from .conftest import write_ids_dataset
+
+FIXTURE_OK = [HealthCheck.function_scoped_fixture]
+
+
+def read_ids(source, **kwargs) -> list[np.ndarray]:
+    with RowGroupReader(source, **kwargs) as reader:
+        return [batch["id"].copy() for batch in reader]
+
+
+def same_batches(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=FIXTURE_OK)
+@given(
+    seed=st.integers(0, 10**6),
+    epoch=st.integers(0, 3),
+    world_size=st.integers(1, 4),
+    batch_size=st.integers(1, 300),
+    window=st.integers(1, 4),
+    drop_last=st.booleans(),
+)
+def test_reader_matches_reference_order_on_every_rank(ids_dataset, seed, epoch, world_size, batch_size, window,
+                                                      drop_last):
+    per_rank = []
+    for rank in range(world_size):
+        kwargs = dict(batch_size=batch_size, seed=seed, epoch=epoch, world_size=world_size, rank=rank,
+                      shuffle_buffer_row_groups=window, drop_last=drop_last, workers=2)
+        batches = read_ids(ids_dataset, **kwargs)
+        with RowGroupReader(ids_dataset, **kwargs) as reader:
+            sizes = reader.dataset.row_group_sizes
+        layout = build_epoch_layout(sizes, seed=seed, epoch=epoch, world_size=world_size, batch_size=batch_size,
+                                    shuffle=True, window_row_groups=window, drop_last=drop_last)
+        assert same_batches(batches, rank_batches(layout, sizes, 0, world_size, rank, batch_size))
+        per_rank.append(np.concatenate(batches) if batches else np.zeros(0, np.int64))
+    assert len({len(p) for p in per_rank}) == 1, "ranks must yield the same number of rows (lockstep)"
+    seen = np.concatenate(per_rank)
+    if drop_last:
+        assert len(np.unique(seen)) == len(seen)
+    else:
+        assert set(seen.tolist()) == set(range(1000))
+        assert len(seen) - 1000 < world_size
+
+
+@pytest.mark.parametrize("world_size,rank", [(1, 0), (3, 2)])
+def test_workers_and_cache_never_change_the_order(ids_dataset, tmp_path, world_size, rank):
+    common = dict(batch_size=64, seed=11, world_size=world_size, rank=rank, shuffle_buffer_row_groups=3)
+    reference = read_ids(ids_dataset, workers=1, **common)
+    assert same_batches(read_ids(ids_dataset, workers=4, **common), reference)
+    cache = CacheConfig(tmp_path / "cache", 50 * 2**20, shards=2)
+    cold = RowGroupReader(ids_dataset, workers=4, cache=cache, **common)
+    assert same_batches([b["id"].copy() for b in cold], reference)
+    assert cold.stats.cache_misses > 0 and cold.stats.cache_hits == 0
+    cold.close()
+    warm = RowGroupReader(ids_dataset, workers=3, cache=cache, **common)
+    assert same_batches([b["id"].copy() for b in warm], reference)
+    assert warm.stats.cache_hits > 0 and warm.stats.cache_misses == 0
+    warm.close()
+
+
+def test_exact_resume_from_json_state(ids_dataset):
+    common = dict(batch_size=37, seed=5, shuffle_buffer_row_groups=2, workers=2)
+    full = read_ids(ids_dataset, **common)
+    reader = RowGroupReader(ids_dataset, **common)
+    iterator = iter(reader)
+    head = [next(iterator)["id"].copy() for _ in range(7)]
+    state = json.loads(json.dumps(reader.state_dict()))
+    reader.close()
+    assert len(json.dumps(state)) < 400 and all(isinstance(v, (int, bool)) for v in state.values())
+    fresh = RowGroupReader(ids_dataset, **common)
+    fresh.load_state_dict(state)
+    tail = [batch["id"].copy() for batch in fresh]
+    assert same_batches(head + tail, full)
+    assert fresh.state_dict()["epoch"] == 1 and fresh.state_dict()["samples_in_epoch"] == 0
+    fresh.close()
+
+
+@pytest.mark.parametrize("old_world,new_world,new_batch", [(3, 2, 37), (2, 5, 16), (4, 1, 50)])
+def test_elastic_resume_loses_and_repeats_nothing(ids_dataset, old_world, new_world, new_batch):
+    consumed, states = [], []
+    for rank in range(old_world):
+        reader = RowGroupReader(ids_dataset, batch_size=25, seed=9, world_size=old_world, rank=rank, workers=2)
+        iterator = iter(reader)
+        consumed += [next(iterator)["id"].copy() for _ in range(3)]
+        states.append(reader.state_dict())
+        reader.close()
+    assert all(state == states[0] for state in states), "every rank must save the same global state"
+    rest = []
+    for rank in range(new_world):
+        reader = RowGroupReader(ids_dataset, batch_size=new_batch, seed=9, world_size=new_world, rank=rank)
+        reader.load_state_dict(states[rank % old_world])
+        rest.append([batch["id"].copy() for batch in reader])
+        reader.close()
+    assert len({len(r) for r in rest}) == 1, "resumed ranks must stay in lockstep"
+    everything = np.concatenate(consumed + [b for r in rest for b in r])
+    padding = -1000 % old_world  # documented: the epoch's layout pads by wrapping around
+    assert set(everything.tolist()) == set(range(1000)), "no sample may be lost"
+    assert len(everything) == 1000 + padding, "no sample may repeat beyond the layout's padding"
+
+
+def test_each_epoch_reorders_and_covers_everything(ids_dataset):
+    reader = RowGroupReader(ids_dataset, batch_size=100, seed=1, workers=2)
+    first = np.concatenate([b["id"].copy() for b in reader])
+    second = np.concatenate([b["id"].copy() for b in reader])
+    assert reader.epoch == 2
+    assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(1000))
+    assert not np.array_equal(first, second)
+    reader.set_epoch(0)
+    assert np.array_equal(np.concatenate([b["id"].copy() for b in reader]), first)
+    reader.close()
+
+
+def test_batch_columns_follow_the_rules(tmp_path):
+    table = pa.table({
+        "i": pa.array([1, None, 3, 4], pa.int32()),
+        "f": pa.array([1.5, 2.5, None, 4.0], pa.float32()),
+        "s": pa.array(["a", "bé", "", "d"]),
+        "fixed": pa.array([[1, 2], [3, 4], [5, 6], [7, 8]], pa.list_(pa.int64())),
+        "ragged": pa.array([[1], [2, 3], [], [4, 5, 6]], pa.list_(pa.int16())),
+    })
+    pq.write_table(table, tmp_path / "mixed.parquet", row_group_size=2)
+    with RowGroupReader(tmp_path / "mixed.parquet", batch_size=4, shuffle=False) as reader:
+        (batch,) = list(reader)
+    assert batch["i"].dtype == np.float64 and np.isnan(batch["i"][1]) and batch["i"][2] == 3
+    assert batch["f"].dtype == np.float32 and np.isnan(batch["f"][2])
+    assert batch["s"].dtype == object and list(batch["s"]) == ["a", "bé", "", "d"]
+    assert batch["fixed"].shape == (4, 2) and batch["fixed"][3, 1] == 8
+    assert batch["ragged"].dtype == object and batch["ragged"][3].tolist() == [4, 5, 6]
+    with RowGroupReader(tmp_path / "mixed.parquet", batch_size=1, shuffle=False, columns=["ragged"]) as reader:
+        shapes = [batch["ragged"].shape for batch in reader]
+    assert shapes == [(1, 1), (1, 2), (1, 0), (1, 3)]  # one row per batch: lengths agree → 2-D
+
+
+def test_interop_pandas_pyarrow_compression_and_side_files(tmp_path):
+    root = tmp_path / "mixed"
+    (root / "nested").mkdir(parents=True)
+    frame = pd.DataFrame({"id": np.arange(0, 300), "text": [f"row {i}" for i in range(300)]})
+    frame.index = frame.index + 1000  # a non-default index is stored as __index_level_0__
+    frame.to_parquet(root / "a_pandas.parquet", engine="pyarrow", compression="gzip", row_group_size=70)
+    for name, codec, rows in [("b_zstd", "zstd", range(300, 500)), ("c_snappy", "snappy", range(500, 900))]:
+        table = pa.table({"id": pa.array(list(rows), pa.int64()), "text": [f"row {i}" for i in rows]})
+        pq.write_table(table, root / "nested" / f"{name}.parquet", compression=codec, row_group_size=33)
+    (root / "_SUCCESS").write_text("")
+    (root / ".part.crc").write_bytes(b"\x00")
+    (root / "nested" / "c_snappy.parquet.crc").write_bytes(b"\x00")
+    (root / ".hidden.parquet").write_bytes(b"not parquet")
+    (root / "_temporary").mkdir()
+    (root / "_temporary" / "x.parquet").write_bytes(b"partial")
+    with RowGroupReader(root, batch_size=128, seed=2, workers=3) as reader:
+        assert reader.columns == ("id", "text")
+        batches = list(reader)
+    ids = np.concatenate([b["id"] for b in batches])
+    texts = np.concatenate([b["text"] for b in batches])
+    assert sorted(ids.tolist()) == list(range(900))
+    assert all(text == f"row {i}" for i, text in zip(ids, texts))
+
+
+def test_list_of_sources_and_fsspec_uri(tmp_path):
+    import fsspec
+
+    first = write_ids_dataset(tmp_path / "one", [(40, 16)])
+    second = write_ids_dataset(tmp_path / "two", [(40, 16)])
+    ids = read_ids([first / "part-000.parquet", second], batch_size=16, shuffle=False)
+    assert [len(b) for b in ids] == [16] * 5
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/tess/data.parquet", (first / "part-000.parquet").read_bytes())
+    try:
+        batches = read_ids("memory://tess", batch_size=8, shuffle=False)
+    finally:
+        memory.rm("/tess", recursive=True)
+    assert np.concatenate(batches).tolist() == list(range(40))
+
+
+def test_bad_sources_raise_actionable_errors(tmp_path):
+    with pytest.raises(SourceError, match="no such file"):
+        RowGroupReader(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceError, match="no Parquet files"):
+        RowGroupReader(tmp_path / "empty")
+    path = write_ids_dataset(tmp_path / "d", [(10, 5)])
+    with pytest.raises(SourceError, match="missing column"):
+        RowGroupReader(path, columns=["id", "nope"])
+
+
+def test_state_of_another_dataset_is_rejected(ids_dataset, tmp_path):
+    other = write_ids_dataset(tmp_path / "other", [(10, 5)])
+    state = RowGroupReader(ids_dataset).state_dict()
+    with pytest.raises(ValueError, match="1000 rows"):
+        RowGroupReader(other).load_state_dict(state)
+
+
+def test_batch_to_torch_shares_memory(ids_dataset):
+    with RowGroupReader(ids_dataset, batch_size=32, columns=["id", "tokens"]) as reader:
+        batch = next(iter(reader))
+        tensors = batch_to_torch(batch)
+    assert tensors["tokens"].shape == (32, 4) and tensors["tokens"].dtype == torch.int32
+    assert tensors["tokens"].data_ptr() == batch["tokens"].ctypes.data
+    tensors["id"][0] = -1
+    assert batch["id"][0] == -1
+    with pytest.raises(TypeError, match="'s'"):
+        batch_to_torch({"s": np.array(["x"], dtype=object)})
+
+
+def test_stats_report_rows_bytes_and_cache(ids_dataset, tmp_path):
+    reader = RowGroupReader(ids_dataset, batch_size=100, cache=CacheConfig(tmp_path / "c", 2**26, shards=1))
+    rows = sum(len(b["id"]) for b in reader)
+    stats = reader.stats
+    row_groups = len(reader.dataset.row_groups)
+    reader.close()
+    assert isinstance(stats, ReaderStats)
+    assert stats.rows == rows == 1000 and stats.batches == 10
+    assert stats.bytes == 1000 * (8 + 16) and stats.rows_per_s > 0
+    assert row_groups == 15 and stats.cache_misses == row_groups and stats.cache_hits == 0
+    assert 0.0 <= stats.stall_fraction <= 1.0
+    assert set(stats.as_dict()) >= {"rows", "bytes", "rows_per_s", "bytes_per_s", "cache_hits", "cache_misses",
+                                    "cache_evictions", "cache_corruptions", "consumer_wait_s", "stall_fraction"}
+
+
+def test_transform_runs_and_is_part_of_the_cache_key(ids_dataset, tmp_path):
+    cache = CacheConfig(tmp_path / "c", 2**26, shards=1)
+
+    def double(columns):
+        return {**columns, "id": columns["id"] * 2}
+
+    def read(transform, version):
+        with RowGroupReader(ids_dataset, batch_size=500, shuffle=False, cache=cache, transform=transform,
+                            transform_version=version) as reader:
+            return np.concatenate([b["id"] for b in reader]), reader.stats
+
+    plain, _ = read(None, "none")
+    doubled, stats = read(double, "double-v1")
+    assert stats.cache_hits == 0, "a new transform version must not hit entries of another"
+    assert np.array_equal(doubled, plain * 2)
+    again, stats = read(double, "double-v1")
+    assert stats.cache_misses == 0 and np.array_equal(again, doubled)

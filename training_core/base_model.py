@@ -1,0 +1,118 @@
+"""Base models: the demo's tiny Llama built from a config, or any Hugging Face model directory /
+hub id. Both end as a directory `from_pretrained` can load, identified by a content digest."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from training_core.errors import ModelNotFoundError
+from training_core.storage import directory_digest, publish_directory, staging_directory
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+
+@dataclass(frozen=True)
+class TinyLlamaSpec:
+    """The demo model: small enough to train in a minute on two CPU cores."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    max_position_embeddings: int = 256
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class BaseModelRef:
+    """What downstream assets receive. `name_or_path` is what `from_pretrained` is called with."""
+
+    name_or_path: str
+    digest: str
+    parameters: int
+    vocab_size: int
+    source: str  # "demo" or "pretrained"
+
+
+def train_demo_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer trained with `tokenizers` on the corpus (one token per letter)."""
+    tokenizer = Tokenizer(models.WordLevel(unk_token=SPECIAL_TOKENS["unk_token"]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS.values()))
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
+
+
+def build_demo_model(corpus: list[str], spec: TinyLlamaSpec, output_root: Path) -> BaseModelRef:
+    """Train the tokenizer, build a randomly initialised tiny Llama, save both, publish by digest."""
+    tokenizer = train_demo_tokenizer(corpus)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    # Same spec ⇒ same weights; fork_rng leaves the caller's global RNG as it was.
+    with torch.random.fork_rng():
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config)
+    with staging_directory(output_root) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        digest = directory_digest(staging)
+        final = publish_directory(staging, output_root / f"tiny-llama-{digest[:16]}")
+    return BaseModelRef(
+        name_or_path=str(final),
+        digest=digest,
+        parameters=sum(p.numel() for p in model.parameters()),
+        vocab_size=config.vocab_size,
+        source="demo",
+    )
+
+
+def resolve_pretrained(name_or_path: str) -> BaseModelRef:
+    """Validate a local model directory or hub id by loading its config and tokenizer."""
+    path = Path(name_or_path)
+    looks_local = path.is_absolute() or name_or_path.startswith((".", "~")) or path.exists()
+    if looks_local and not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"base model {name_or_path}: no config.json there; expected a directory written by save_pretrained"
+        )
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except OSError as error:
+        raise ModelNotFoundError(f"base model {name_or_path}: cannot be loaded ({error})") from error
+    if tokenizer.eos_token_id is None:
+        raise ModelNotFoundError(f"base model {name_or_path}: tokenizer defines no eos_token")
+    digest = directory_digest(path) if looks_local else f"hub:{name_or_path}@{getattr(config, '_commit_hash', None)}"
+    return BaseModelRef(
+        name_or_path=str(path.resolve()) if looks_local else name_or_path,
+        digest=digest,
+        parameters=0,
+        vocab_size=config.vocab_size,
+        source="pretrained",
+    )
+
+
+def load_tokenizer(name_or_path: str):
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer.pad_token_id is None:
+        # Common for Llama checkpoints: pad with eos; padded positions are masked in labels anyway.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

@@ -1,0 +1,131 @@
+"""Writing a training dataset: packed train rows as Parquet plus a held-out eval split.
+
+Layout of a published dataset (directory name = content digest, so it is immutable):
+    train/part-00000.parquet …   input_ids, labels: list<int32>[seq_len]; row groups of
+                                 `row_group_rows` rows (the loader's unit of work and caching)
+    eval.parquet                 prompt, response (raw text, for eval loss and exact-match)
+    manifest.json                counts, seq_len, tokenizer digest, source partitions
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from training_core.data.packing import is_eval_example, pack_examples, tokenize_example
+from training_core.errors import EmptyPartitionError
+from training_core.storage import directory_digest, publish_directory, staging_directory
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    seq_len: int = 64
+    row_group_rows: int = 128
+    rows_per_file: int = 1024
+    eval_fraction: float = 0.05
+    max_eval_examples: int = 200
+
+
+@dataclass(frozen=True)
+class PublishedDataset:
+    """What downstream assets receive: an immutable, content-addressed dataset."""
+
+    path: str
+    digest: str
+    train_rows: int
+    train_examples: int
+    eval_examples: int
+    row_groups: int
+    files: int
+    seq_len: int
+    tokens: int
+
+    @property
+    def train_dir(self) -> Path:
+        return Path(self.path) / "train"
+
+    @property
+    def eval_file(self) -> Path:
+        return Path(self.path) / "eval.parquet"
+
+
+def _fixed_list(array: np.ndarray) -> pa.Array:
+    rows, width = array.shape
+    return pa.FixedSizeListArray.from_arrays(pa.array(array.reshape(-1), type=pa.int32()), width).cast(
+        pa.list_(pa.int32())
+    )
+
+
+def write_dataset(
+    records: list[dict[str, str]],
+    tokenizer,
+    output_root: Path,
+    spec: DatasetSpec,
+    *,
+    source_label: str,
+    extra_manifest: dict | None = None,
+) -> PublishedDataset:
+    """Tokenize, split, pack and publish `records` under `output_root/<digest>`."""
+    if not records:
+        raise EmptyPartitionError(f"{source_label}: no records to write")
+    train_examples, eval_records = [], []
+    for index, record in enumerate(records):
+        if is_eval_example(record["prompt"], spec.eval_fraction):
+            eval_records.append(record)
+        else:
+            train_examples.append(tokenize_example(tokenizer, record["prompt"], record["response"]))
+    if not train_examples:
+        raise EmptyPartitionError(f"{source_label}: every record fell into the eval split")
+    packed = pack_examples(train_examples, spec.seq_len, tokenizer.pad_token_id, where=f"{source_label} record")
+    eval_records = eval_records[: spec.max_eval_examples]
+
+    with staging_directory(output_root) as staging:
+        train_dir = staging / "train"
+        train_dir.mkdir()
+        table = pa.table({"input_ids": _fixed_list(packed["input_ids"]), "labels": _fixed_list(packed["labels"])})
+        files = 0
+        for start in range(0, table.num_rows, spec.rows_per_file):
+            pq.write_table(
+                table.slice(start, spec.rows_per_file),
+                train_dir / f"part-{files:05d}.parquet",
+                row_group_size=spec.row_group_rows,
+                compression="zstd",
+            )
+            files += 1
+        pq.write_table(
+            pa.table({"prompt": [r["prompt"] for r in eval_records], "response": [r["response"] for r in eval_records]}),
+            staging / "eval.parquet",
+        )
+        manifest = {
+            "spec": asdict(spec),
+            "source": source_label,
+            "train_rows": table.num_rows,
+            "train_examples": len(train_examples),
+            "eval_examples": len(eval_records),
+            **(extra_manifest or {}),
+        }
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        digest = directory_digest(staging)
+        final = publish_directory(staging, output_root / digest[:16])
+
+    row_groups = sum(pq.ParquetFile(p).num_row_groups for p in sorted((final / "train").glob("*.parquet")))
+    return PublishedDataset(
+        path=str(final),
+        digest=digest,
+        train_rows=table.num_rows,
+        train_examples=len(train_examples),
+        eval_examples=len(eval_records),
+        row_groups=row_groups,
+        files=files,
+        seq_len=spec.seq_len,
+        tokens=sum(len(e.prompt_ids) + len(e.response_ids) for e in train_examples),
+    )
+
+
+def read_eval_records(dataset: PublishedDataset) -> list[dict[str, str]]:
+    return pq.read_table(dataset.eval_file).to_pylist()

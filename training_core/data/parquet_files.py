@@ -1,0 +1,275 @@
+"""Parquet sources: list files, read footers, read one row group (with retry), Arrow → NumPy.
+
+Everything here works on a ``pyarrow.fs.FileSystem``; fsspec filesystems are wrapped with
+``PyFileSystem(FSSpecHandler(...))`` so local paths, ``s3://`` / ``gs://`` URIs and fsspec
+instances (e.g. ``memory://``) all take the same code path.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+logger = logging.getLogger(__name__)
+
+PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
+SIDE_FILE_SUFFIXES = (".crc", ".json", ".txt", ".md", ".tmp")
+
+
+class RowGroupReadError(RuntimeError):
+    """A row group (or a file's footer) could not be read or decoded."""
+
+
+class ReadTimeoutError(RowGroupReadError, TimeoutError):
+    """A storage read did not finish within ``read_timeout_s``."""
+
+
+class SourceError(ValueError):
+    """The source names no readable Parquet data."""
+
+
+@dataclass(frozen=True)
+class ParquetFile:
+    """One file: where it is and the version that makes cache keys safe against rewrites."""
+
+    path: str  # path inside the filesystem
+    size: int
+    mtime_ns: int | None
+    row_group_sizes: tuple[int, ...]
+
+    @property
+    def identity(self) -> str:
+        return f"{self.path}|{self.size}|{self.mtime_ns}"
+
+
+@dataclass(frozen=True)
+class RowGroupRef:
+    file: ParquetFile
+    index: int
+    num_rows: int
+
+    def describe(self) -> str:
+        return f"{self.file.path} row group {self.index}"
+
+
+def as_arrow_filesystem(filesystem: Any) -> pafs.FileSystem:
+    """Accept a pyarrow or fsspec filesystem and return a pyarrow one."""
+    if isinstance(filesystem, pafs.FileSystem):
+        return filesystem
+    return pafs.PyFileSystem(pafs.FSSpecHandler(filesystem))
+
+
+def _resolve_one(source: str | os.PathLike, filesystem: Any | None) -> tuple[pafs.FileSystem, str]:
+    text = os.fspath(source)
+    if filesystem is not None:
+        return as_arrow_filesystem(filesystem), text
+    if "://" not in text:
+        # mmap: row-group reads map the page cache instead of copying into fresh buffers
+        return pafs.LocalFileSystem(use_mmap=True), os.path.abspath(text)
+    try:
+        return pafs.FileSystem.from_uri(text)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):
+        import fsspec.core
+
+        fs, path = fsspec.core.url_to_fs(text)
+        return as_arrow_filesystem(fs), path
+
+
+def _is_side_file(relative: str) -> bool:
+    parts = PurePosixPath(relative).parts
+    if any(part.startswith((".", "_")) for part in parts):
+        return True
+    return parts[-1].lower().endswith(SIDE_FILE_SUFFIXES)
+
+
+def _has_parquet_magic(fs: pafs.FileSystem, path: str) -> bool:
+    with fs.open_input_file(path) as handle:
+        return handle.read(4) == b"PAR1"
+
+
+def list_parquet_files(source: Any, filesystem: Any | None = None) -> tuple[pafs.FileSystem, list[pafs.FileInfo]]:
+    """Expand a file, directory or list of them into sorted Parquet files (side files skipped)."""
+    sources = list(source) if isinstance(source, (list, tuple)) else [source]
+    if not sources:
+        raise SourceError("source is an empty list; pass a Parquet file, a directory or a list of them")
+    found: dict[str, pafs.FileInfo] = {}
+    chosen_fs: pafs.FileSystem | None = None
+    for item in sources:
+        fs, path = _resolve_one(item, filesystem)
+        if chosen_fs is not None and fs.type_name != chosen_fs.type_name:
+            raise SourceError(f"{item}: all sources must live on one filesystem ({chosen_fs.type_name})")
+        chosen_fs = fs
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise SourceError(f"{item}: no such file or directory")
+        if info.type == pafs.FileType.File:
+            found[info.path] = info
+            continue
+        for child in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
+            if child.type != pafs.FileType.File:
+                continue
+            relative = child.path[len(path.rstrip("/")) + 1 :]
+            if _is_side_file(relative):
+                continue
+            if not child.path.lower().endswith(PARQUET_SUFFIXES) and not _has_parquet_magic(fs, child.path):
+                logger.debug("skipping %s: not a Parquet file", child.path)
+                continue
+            found[child.path] = child
+    if not found:
+        raise SourceError(f"{source}: no Parquet files found")
+    assert chosen_fs is not None
+    return chosen_fs, [found[key] for key in sorted(found)]
+
+
+def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo) -> tuple[ParquetFile, pa.Schema, set[str]]:
+    """Row-group sizes, Arrow schema and the columns that hold nulls anywhere in the file."""
+    try:
+        with fs.open_input_file(info.path) as handle:
+            metadata = pq.ParquetFile(handle).metadata
+            schema = metadata.schema.to_arrow_schema()
+    except Exception as error:  # noqa: BLE001 - re-raised with the file named
+        raise RowGroupReadError(f"{info.path}: cannot read the Parquet footer: {error}") from error
+    nullable = set()
+    for index in range(metadata.num_row_groups):
+        row_group = metadata.row_group(index)
+        for column in range(row_group.num_columns):
+            chunk = row_group.column(column)
+            stats = chunk.statistics
+            if stats is not None and stats.has_null_count and stats.null_count > 0:
+                nullable.add(chunk.path_in_schema.split(".")[0])
+    mtime = info.mtime_ns if info.mtime is not None else None
+    sizes = tuple(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
+    return ParquetFile(info.path, int(info.size or 0), mtime, sizes), schema, nullable
+
+
+def default_columns(schema: pa.Schema) -> list[str]:
+    return [name for name in schema.names if not name.startswith("__index_level_")]
+
+
+def read_row_group_table(
+    fs: pafs.FileSystem,
+    ref: RowGroupRef,
+    columns: Sequence[str],
+    handles: dict[str, pq.ParquetFile],
+    max_attempts: int = 3,
+    backoff_s: float = 0.05,
+    deadline: float | None = None,
+) -> pa.Table:
+    """Read one row group, retrying I/O errors with exponential backoff (bounded by ``deadline``)."""
+    for attempt in range(1, max_attempts + 1):
+        try:
+            handle = handles.get(ref.file.path)
+            if handle is None:
+                handle = handles[ref.file.path] = pq.ParquetFile(fs.open_input_file(ref.file.path))
+            return handle.read_row_group(ref.index, columns=list(columns), use_threads=False)
+        except (OSError, pa.ArrowIOError) as error:
+            handles.pop(ref.file.path, None)
+            delay = backoff_s * 2 ** (attempt - 1)
+            out_of_time = deadline is not None and time.monotonic() + delay > deadline
+            if attempt == max_attempts or out_of_time:
+                raise RowGroupReadError(f"{ref.describe()}: read failed after {attempt} attempt(s): {error}") from error
+            logger.warning("%s: read failed (%s); retry %d in %.2fs", ref.describe(), error, attempt, delay)
+            time.sleep(delay)
+        except Exception as error:  # noqa: BLE001 - corrupt data etc. is not retried
+            handles.pop(ref.file.path, None)
+            raise RowGroupReadError(f"{ref.describe()}: cannot decode: {error}") from error
+    raise AssertionError("unreachable")
+
+
+def _list_to_numpy(array: pa.Array) -> np.ndarray:
+    count = len(array)
+    if pa.types.is_fixed_size_list(array.type) and array.null_count == 0:
+        return array.flatten().to_numpy(zero_copy_only=False).reshape(count, array.type.list_size)
+    values = array.flatten().to_numpy(zero_copy_only=False)
+    if array.null_count == 0:
+        offsets = array.offsets.to_numpy()
+        offsets = offsets - offsets[0]
+    else:  # null lists become empty arrays
+        lengths = np.asarray(array.value_lengths().fill_null(0), dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+    lengths = np.diff(offsets)
+    if count and (lengths == lengths[0]).all():
+        return values.reshape(count, int(lengths[0]))
+    out = np.empty(count, dtype=object)
+    for i, part in enumerate(np.split(values, offsets[1:-1])):
+        out[i] = part
+    return out
+
+
+def arrow_to_numpy(array: pa.Array | pa.ChunkedArray, widen_nulls: bool = False) -> np.ndarray:
+    """Convert one column per the reader's rules (see docs/loader.md, "Batch columns")."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
+    kind = array.type
+    if pa.types.is_dictionary(kind):
+        array, kind = array.dictionary_decode(), kind.value_type
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _list_to_numpy(array)
+    numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+    if numeric and (array.null_count > 0 or widen_nulls):
+        if not pa.types.is_floating(kind):
+            array = array.cast(pa.float64())
+        return array.to_numpy(zero_copy_only=False)
+    return array.to_numpy(zero_copy_only=False)
+
+
+def table_to_numpy(table: pa.Table, widen_columns: set[str] | frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+    return {name: arrow_to_numpy(table.column(name), name in widen_columns) for name in table.column_names}
+
+
+@dataclass(frozen=True)
+class DatasetIndex:
+    """The files, row groups (canonical order: files sorted by path) and columns of a source."""
+
+    filesystem: pafs.FileSystem
+    files: tuple[ParquetFile, ...]
+    row_groups: tuple[RowGroupRef, ...]
+    columns: tuple[str, ...]
+    widen_columns: frozenset[str]  # numeric columns with nulls somewhere: always float
+
+    @property
+    def row_group_sizes(self) -> np.ndarray:
+        return np.array([ref.num_rows for ref in self.row_groups], dtype=np.int64)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(ref.num_rows for ref in self.row_groups)
+
+    def digest(self) -> str:
+        """Content-version digest from file identities (path, size, mtime) and row-group sizes."""
+        import hashlib
+
+        hasher = hashlib.blake2b(digest_size=16)
+        for file in self.files:
+            hasher.update(f"{file.identity}|{file.row_group_sizes}\n".encode())
+        return hasher.hexdigest()
+
+
+def _is_numeric(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+
+
+def index_dataset(source: Any, columns: Sequence[str] | None = None, filesystem: Any | None = None) -> DatasetIndex:
+    """List ``source`` and read every footer (call it under a timeout: storage may hang)."""
+    fs, infos = list_parquet_files(source, filesystem)
+    files, refs, widen = [], [], set()
+    chosen: list[str] | None = list(columns) if columns is not None else None
+    for info in infos:
+        parquet_file, schema, nullable = read_footer(fs, info)
+        if chosen is None:
+            chosen = default_columns(schema)
+        missing = [name for name in chosen if name not in schema.names]
+        if missing:
+            raise SourceError(f"{info.path}: missing column(s) {missing}; it has {schema.names}")
+        widen |= {name for name in chosen if name in nullable and _is_numeric(schema.field(name).type)}
+        files.append(parquet_file)
+        refs.extend(RowGroupRef(parquet_file, i, n) for i, n in enumerate(parquet_file.row_group_sizes) if n > 0)
+    return DatasetIndex(fs, tuple(files), tuple(refs), tuple(chosen or ()), frozenset(widen))

@@ -1,0 +1,292 @@
+"""Work off the consumer thread: a bounded decode pool, row-group loading and window assembly.
+
+Threads are daemons named ``tessera-reader-<id>-...``; every wait has a timeout and checks a stop
+event, so closing a reader (or dropping its iterator) never hangs. Results are consumed in
+submission order, so thread timing can never change the sample order.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .cache import CacheConfig, CacheWarmReport, RowGroupCache, cache_key, cache_version
+from .parquet_files import (
+    DatasetIndex,
+    ReadTimeoutError,
+    RowGroupReadError,
+    RowGroupRef,
+    SourceError,
+    index_dataset,
+    read_row_group_table,
+    table_to_numpy,
+)
+
+logger = logging.getLogger(__name__)
+
+THREAD_PREFIX = "tessera-reader"
+_POLL_S = 0.05
+_MAX_OPEN_FILES_PER_THREAD = 32
+
+
+class ReaderClosedError(RuntimeError):
+    """The reader was closed while work was pending."""
+
+
+class TransformError(RowGroupReadError):
+    """The user ``transform`` raised or returned columns of the wrong length."""
+
+
+class Task:
+    """One unit of work and its outcome; waiting on it enforces the read timeout."""
+
+    __slots__ = ("fn", "args", "label", "done", "result", "error", "started_at")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, label: str) -> None:
+        self.fn, self.args, self.label = fn, args, label
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.started_at: float | None = None
+
+    def run(self) -> None:
+        self.started_at = time.monotonic()
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer
+            self.error = error
+        finally:
+            self.done.set()
+
+    def cancel(self) -> None:
+        self.error = ReaderClosedError(f"{self.label}: reader closed")
+        self.done.set()
+
+    def wait(self, timeout_s: float, stop: threading.Event) -> Any:
+        while not self.done.is_set():
+            started = self.started_at
+            budget = _POLL_S if started is None else min(_POLL_S, started + timeout_s - time.monotonic())
+            if self.done.wait(max(budget, 0.0)):
+                break
+            if stop.is_set():
+                raise ReaderClosedError(f"{self.label}: reader closed")
+            if started is not None and time.monotonic() - started >= timeout_s:
+                raise ReadTimeoutError(
+                    f"{self.label}: no result after read_timeout_s={timeout_s:g}s; the storage may be hanging"
+                )
+        if self.error is not None:
+            if isinstance(self.error, (RowGroupReadError, ReaderClosedError, SourceError)):
+                raise self.error
+            raise RowGroupReadError(f"{self.label}: {type(self.error).__name__}: {self.error}") from self.error
+        return self.result
+
+
+class WorkerPool:
+    """Fixed daemon threads running :class:`Task` objects in FIFO order."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._work, args=(self._queue, self._stop), name=f"{name}-decode-{i}", daemon=True)
+            for i in range(max(1, workers))
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @staticmethod
+    def _work(tasks: queue.SimpleQueue, stop: threading.Event) -> None:
+        while True:
+            task = tasks.get()
+            if task is None:
+                return
+            task.cancel() if stop.is_set() else task.run()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, label: str) -> Task:
+        task = Task(fn, args, label)
+        if self._stop.is_set():
+            task.cancel()
+        else:
+            self._queue.put(task)
+        return task
+
+    def close(self, join_timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + join_timeout_s
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+            if thread.is_alive() and join_timeout_s > 0:
+                logger.warning("%s still blocked in storage after close; it exits when the read returns", thread.name)
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float, label: str, name: str) -> Any:
+    """Run ``fn`` in a daemon thread; raise :class:`ReadTimeoutError` if it takes too long."""
+    pool = WorkerPool(1, name)
+    task = pool.submit(fn, label=label)
+    try:
+        return task.wait(timeout_s, threading.Event())
+    finally:
+        pool.close(join_timeout_s=1.0 if task.done.is_set() else 0.0)
+
+
+class RowGroupLoader:
+    """Cache lookup → read → Arrow→NumPy → transform → cache store, for one row group at a time."""
+
+    def __init__(
+        self,
+        index: DatasetIndex,
+        cache: RowGroupCache | None,
+        transform: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
+        transform_version: str,
+        read_timeout_s: float,
+        max_attempts: int = 3,
+    ) -> None:
+        self.index, self.cache, self.transform = index, cache, transform
+        self.transform_version, self.read_timeout_s, self.max_attempts = transform_version, read_timeout_s, max_attempts
+        self._local = threading.local()
+
+    def load(self, ref: RowGroupRef) -> dict[str, np.ndarray]:
+        key = cache_key(ref.file.identity, ref.index, self.index.columns, self.transform_version)
+        if self.cache is not None:
+            cached = self.cache.get(key, ref.describe())
+            if cached is not None:
+                return cached
+        handles: dict = self._local.__dict__.setdefault("handles", {})
+        while len(handles) >= _MAX_OPEN_FILES_PER_THREAD:
+            handles.pop(next(iter(handles)))
+        deadline = time.monotonic() + self.read_timeout_s
+        table = read_row_group_table(
+            self.index.filesystem, ref, self.index.columns, handles, self.max_attempts, deadline=deadline
+        )
+        if table.num_rows != ref.num_rows:
+            raise RowGroupReadError(f"{ref.describe()}: footer says {ref.num_rows} rows, read {table.num_rows}")
+        arrays = table_to_numpy(table, self.index.widen_columns)
+        if self.transform is not None:
+            arrays = self._apply_transform(ref, arrays)
+        if self.cache is not None:
+            self.cache.put(key, arrays)
+        return arrays
+
+    def _apply_transform(self, ref: RowGroupRef, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            result = self.transform(arrays)
+        except Exception as error:
+            raise TransformError(f"{ref.describe()}: transform raised {type(error).__name__}: {error}") from error
+        if not isinstance(result, dict):
+            raise TransformError(f"{ref.describe()}: transform must return dict[str, ndarray], got {type(result)}")
+        bad = {name: len(value) for name, value in result.items() if len(value) != ref.num_rows}
+        if bad:
+            raise TransformError(f"{ref.describe()}: transform changed the row count ({bad}, expected {ref.num_rows})")
+        return {name: np.asarray(value) for name, value in result.items()}
+
+    def load_piece(self, ref: RowGroupRef, start: int, stop: int) -> dict[str, np.ndarray]:
+        arrays = self.load(ref)
+        if start == 0 and stop == ref.num_rows:
+            return arrays
+        return {name: value[start:stop] for name, value in arrays.items()}
+
+
+def _column_template(pieces: Sequence[np.ndarray], rows: int) -> np.ndarray:
+    """Allocate the output for stacking ``pieces``: dense when they agree, else object."""
+    dense = all(p.dtype != object for p in pieces) and len({p.shape[1:] for p in pieces}) == 1
+    if dense and pieces[0].ndim <= 2:
+        return np.empty((rows, *pieces[0].shape[1:]), dtype=np.result_type(*[p.dtype for p in pieces]))
+    return np.empty(rows, dtype=object)
+
+
+def _as_rows(piece: np.ndarray, target: np.ndarray) -> np.ndarray:
+    if target.dtype != object or piece.dtype == object:
+        return piece
+    rows = np.empty(len(piece), dtype=object)
+    for i, row in enumerate(piece):
+        rows[i] = row
+    return rows
+
+
+def inverse_permutation(order: np.ndarray) -> np.ndarray:
+    inverse = np.empty(len(order), dtype=np.int64)
+    inverse[order] = np.arange(len(order), dtype=np.int64)
+    return inverse
+
+
+def assemble_window(parts: Sequence[dict[str, np.ndarray]], inverse: np.ndarray) -> dict[str, np.ndarray]:
+    """Concatenate pieces and apply the window permutation in one scatter per piece.
+
+    ``out[j] = concatenated[order[j]]`` is written as ``out[inverse[rows of piece]] = piece``
+    (``inverse`` = inverse of ``order``): a vectorized scatter copies each row once, faster than
+    concatenate + take.
+    """
+    rows = len(inverse)
+    out = {}
+    for name in parts[0]:
+        pieces = [part[name] for part in parts]
+        target = _column_template(pieces, rows)
+        offset = 0
+        for piece in pieces:
+            target[inverse[offset : offset + len(piece)]] = _as_rows(piece, target)
+            offset += len(piece)
+        out[name] = target
+    return out
+
+
+def finish_batch(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Join segment slices into one batch; a ragged column whose rows agree in length becomes 2-D."""
+    if len(parts) == 1:
+        batch = dict(parts[0])
+    else:
+        rows = sum(len(next(iter(part.values()))) for part in parts)
+        batch = assemble_window(parts, np.arange(rows, dtype=np.int64))  # identity: plain concatenation
+    for name, column in batch.items():
+        if column.dtype == object and len(column) and isinstance(column[0], np.ndarray):
+            first = column[0]
+            if all(isinstance(r, np.ndarray) and r.shape == first.shape and r.dtype == first.dtype for r in column):
+                batch[name] = np.stack(list(column))
+    return batch
+
+
+def load_all_row_groups(
+    source: Any,
+    config: CacheConfig,
+    columns: Sequence[str] | None,
+    workers: int,
+    dataset_digest: str | None,
+    filesystem: Any | None,
+    read_timeout_s: float,
+) -> CacheWarmReport:
+    """Implementation of :func:`training_core.data.cache.warm_cache`."""
+    name = f"{THREAD_PREFIX}-warm-{id(config):x}"
+    index = call_with_timeout(
+        lambda: index_dataset(source, columns, filesystem), read_timeout_s, f"{source}: footers", name
+    )
+    cache = RowGroupCache(config)
+    loader = RowGroupLoader(index, cache, None, "none", read_timeout_s)
+    pool, stop = WorkerPool(workers, name), threading.Event()
+    try:
+        window = max(2 * workers, 2)
+        refs = list(index.row_groups)
+        for begin in range(0, len(refs), window):
+            tasks = [pool.submit(loader.load, ref, label=ref.describe()) for ref in refs[begin : begin + window]]
+            for task in tasks:
+                task.wait(read_timeout_s, stop)
+    finally:
+        pool.close()
+    counters = cache.counters
+    report = CacheWarmReport(
+        entries=len(cache),
+        bytes=cache.volume(),
+        hits=counters.hits,
+        misses=counters.misses,
+        evictions=counters.evictions,
+        corruptions=counters.corruptions,
+        hit_rate=counters.hits / max(counters.hits + counters.misses, 1),
+        cache_version=cache_version(dataset_digest or index.digest(), index.columns, "none"),
+    )
+    cache.close()
+    logger.info("warmed row-group cache %s: %s", config.directory, report)
+    return report

@@ -1,0 +1,30 @@
+"""Evaluate base vs trained model on a dataset's held-out split."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from training_core.base_model import load_tokenizer
+from training_core.evaluate.metrics import EvalMetrics, evaluate, load_model_for_eval
+
+
+@dataclass(frozen=True)
+class EvaluationReport:
+    base: EvalMetrics
+    trained: EvalMetrics
+    trained_model_dir: str
+    mlflow_run_id: str
+
+    @property
+    def loss_ratio(self) -> float:
+        return self.trained.loss / self.base.loss
+
+    def as_metrics(self) -> dict[str, float]:
+        return {**self.base.as_dict("eval_base_"), **self.trained.as_dict("eval_"), "eval_loss_ratio": self.loss_ratio}
+
+
+def evaluate_against_base(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]]) -> tuple[EvalMetrics, EvalMetrics]:
+    tokenizer = load_tokenizer(base_model_path)
+    base = evaluate(load_model_for_eval(base_model_path), tokenizer, records)
+    trained = evaluate(load_model_for_eval(base_model_path, trained_model_dir), tokenizer, records)
+    return base, trained

@@ -1,0 +1,81 @@
+"""Eval loss / perplexity and greedy exact-match on held-out prompts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from training_core.data.packing import tokenize_example
+
+
+@dataclass(frozen=True)
+class EvalMetrics:
+    loss: float
+    perplexity: float
+    exact_match: float
+    examples: int
+
+    def as_dict(self, prefix: str = "") -> dict[str, float]:
+        return {f"{prefix}{k}": v for k, v in asdict(self).items()}
+
+
+def load_model_for_eval(base_model_path: str, trained_model_dir: str | None = None):
+    """The base model, or the trained result: a PEFT adapter over the base, or a full model."""
+    if trained_model_dir is None:
+        model = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
+    elif (Path(trained_model_dir) / "adapter_config.json").exists():
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, trained_model_dir)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(trained_model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, records: list[dict[str, str]], batch_size: int = 64) -> EvalMetrics:
+    if not records:
+        raise ValueError("evaluation needs at least one held-out record")
+    examples = [tokenize_example(tokenizer, r["prompt"], r["response"]) for r in records]
+    pad = tokenizer.pad_token_id
+    loss_sum, token_count, matches = 0.0, 0, 0
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        # Loss: right-padded prompt+response, loss on response tokens only.
+        width = max(len(e.prompt_ids) + len(e.response_ids) for e in chunk)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+        labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, e in enumerate(chunk):
+            sequence = e.prompt_ids + e.response_ids
+            ids[row, : len(sequence)] = torch.tensor(sequence)
+            labels[row, len(e.prompt_ids) : len(sequence)] = torch.tensor(e.response_ids)
+            mask[row, : len(sequence)] = 1
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        targets = labels[:, 1:]
+        loss_sum += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum").item()
+        token_count += int((targets != -100).sum())
+        matches += _count_exact_matches(model, chunk, pad, tokenizer.eos_token_id)
+    loss = loss_sum / token_count
+    return EvalMetrics(loss=loss, perplexity=math.exp(min(loss, 50.0)), exact_match=matches / len(examples), examples=len(examples))
+
+
+def _count_exact_matches(model, chunk, pad: int, eos: int) -> int:
+    """Greedy decoding from left-padded prompts; a match is the whole response then eos."""
+    width = max(len(e.prompt_ids) for e in chunk)
+    ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(chunk), width), dtype=torch.long)
+    for row, e in enumerate(chunk):
+        ids[row, width - len(e.prompt_ids) :] = torch.tensor(e.prompt_ids)
+        mask[row, width - len(e.prompt_ids) :] = 1
+    longest = max(len(e.response_ids) for e in chunk)
+    generated = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=longest, do_sample=False, pad_token_id=pad, eos_token_id=eos
+    )[:, width:].tolist()
+    return sum(output[: len(e.response_ids)] == e.response_ids for output, e in zip(generated, chunk))

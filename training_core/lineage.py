@@ -1,0 +1,59 @@
+"""The lineage record: everything needed to rerun a training run from its MLflow run id."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+from pathlib import Path
+
+TRACKED_PACKAGES = ("torch", "deepspeed", "transformers", "peft", "ray", "pyarrow")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def code_version(repo_root: Path = REPO_ROOT) -> str:
+    """`git sha` (+ `-dirty` with uncommitted changes), or the installed package version."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(repo_root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(repo_root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True, timeout=10,
+        ).stdout.strip()
+        return f"{sha}{'-dirty' if dirty else ''}"
+    except (OSError, subprocess.SubprocessError):
+        return f"tessera=={importlib.metadata.version('tessera')}"
+
+
+def package_versions() -> dict[str, str]:
+    return {f"version_{name}": importlib.metadata.version(name) for name in TRACKED_PACKAGES}
+
+
+def build_lineage_record(
+    *,
+    seed: int,
+    data_seed: int,
+    dataset_digest: str,
+    dataset_path: str,
+    cache_version: str,
+    base_model: str,
+    base_model_digest: str,
+    config_digest: str,
+    dagster_run_id: str,
+    partition_keys: list[str],
+) -> dict[str, str]:
+    """The contract record (DESIGN.md), as strings: logged as MLflow params of every training run."""
+    return {
+        "seed": str(seed),
+        "data_seed": str(data_seed),
+        "dataset_digest": dataset_digest,
+        "dataset_path": dataset_path,
+        "cache_version": cache_version,
+        "base_model": base_model,
+        "base_model_digest": base_model_digest,
+        "config_digest": config_digest,
+        "code_version": code_version(),
+        "dagster_run_id": dagster_run_id,
+        "partition_keys": ",".join(partition_keys),
+        **package_versions(),
+    }

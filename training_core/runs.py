@@ -1,0 +1,90 @@
+"""A tracked training run: lineage record → MLflow run → Ray training → logged results.
+
+Used by the `lora_adapter` asset and by `tessera reproduce`, so both record runs the same way."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from training_core.lineage import build_lineage_record
+from training_core.tracking import MlflowTracking
+from training_core.train.config import TrainingConfig
+from training_core.train.launcher import TrainingResult, run_training
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainingInputs:
+    """The exact inputs of one run; with the config and seeds they determine the result on CPU."""
+
+    base_model: str
+    base_model_digest: str
+    dataset_path: str
+    dataset_digest: str
+    seq_len: int
+    cache_directory: str | None
+    cache_version: str
+    partition_keys: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TrackedRun:
+    mlflow_run_id: str
+    result: TrainingResult
+    lineage: dict[str, str]
+
+
+def ray_run_name(inputs: TrainingInputs, config: TrainingConfig, suffix: str = "") -> str:
+    """Deterministic in the inputs, so relaunching the same work resumes its checkpoints."""
+    partitions = "+".join(inputs.partition_keys) or "all"
+    name = f"train-{partitions}-{inputs.dataset_digest[:8]}-{inputs.base_model_digest[:8]}-{config.digest()[:8]}"
+    return f"{name}-{suffix}" if suffix else name
+
+
+def run_tracked_training(
+    config: TrainingConfig,
+    inputs: TrainingInputs,
+    tracking: MlflowTracking,
+    *,
+    ray_storage: str,
+    models_dir: Path,
+    dagster_run_id: str = "",
+    extra_tags: dict[str, str] | None = None,
+    run_name_suffix: str = "",
+) -> TrackedRun:
+    lineage = build_lineage_record(
+        seed=config.seed,
+        data_seed=config.data_seed,
+        dataset_digest=inputs.dataset_digest,
+        dataset_path=inputs.dataset_path,
+        cache_version=inputs.cache_version,
+        base_model=inputs.base_model,
+        base_model_digest=inputs.base_model_digest,
+        config_digest=config.digest(),
+        dagster_run_id=dagster_run_id,
+        partition_keys=inputs.partition_keys,
+    )
+    name = ray_run_name(inputs, config, run_name_suffix)
+    run_id = tracking.start_run(name, tags={"method": config.method, **(extra_tags or {})})
+    try:
+        result = run_training(
+            config,
+            model_path=inputs.base_model,
+            train_dir=str(Path(inputs.dataset_path) / "train"),
+            seq_len=inputs.seq_len,
+            cache_dir=inputs.cache_directory,
+            storage_path=Path(ray_storage),
+            run_name=name,
+            output_dir=models_dir,
+        )
+        tracking.log_training(
+            run_id, lineage=lineage, config=config.model_dump(mode="json"), result=result, dataset_path=inputs.dataset_path
+        )
+    except BaseException:
+        tracking.end_run(run_id, status="FAILED")
+        raise
+    tracking.end_run(run_id)
+    return TrackedRun(mlflow_run_id=run_id, result=result, lineage=lineage)

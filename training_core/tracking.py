@@ -1,0 +1,73 @@
+"""MLflow: one training run per `lora_adapter` materialization, with the full lineage record.
+
+Tracking in SQLite (MLflow 3.13+ rejects the file store), artifacts in a local folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import warnings
+from pathlib import Path
+
+import mlflow
+from mlflow.tracking import MlflowClient
+
+from training_core.plots import plot_loss_curve, plot_step_time
+
+log = logging.getLogger(__name__)
+
+
+class MlflowTracking:
+    def __init__(self, tracking_uri: str, artifact_root: Path, experiment: str = "tessera"):
+        self.tracking_uri = tracking_uri
+        self.client = MlflowClient(tracking_uri)
+        existing = self.client.get_experiment_by_name(experiment)
+        if existing is None:
+            artifact_root.mkdir(parents=True, exist_ok=True)
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_root.resolve().as_uri())
+        else:
+            self.experiment_id = existing.experiment_id
+
+    def start_run(self, run_name: str, tags: dict[str, str]) -> str:
+        return self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+
+    def log_training(self, run_id: str, *, lineage: dict[str, str], config: dict, result, dataset_path: str) -> None:
+        client = self.client
+        for key, value in lineage.items():
+            client.log_param(run_id, key, value)
+        for step, loss in result.loss_history:
+            client.log_metric(run_id, "train_loss", loss, step=step)
+        numeric = {k: float(v) for k, v in result.telemetry.items() if isinstance(v, (int, float))}
+        for key, value in {**numeric, "restarts": result.restarts, "steps": result.steps}.items():
+            client.log_metric(run_id, key, float(value))
+        self._log_dataset_input(run_id, dataset_path, lineage["dataset_digest"])
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            (folder / "training_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            (folder / "deepspeed_config.json").write_text(json.dumps(result.deepspeed_config, indent=2, sort_keys=True))
+            (folder / "lineage.json").write_text(json.dumps(lineage, indent=2, sort_keys=True))
+            plot_loss_curve(result.loss_history, folder / "loss_curve.png")
+            plot_step_time(result.telemetry, folder / "step_time.png")
+            client.log_artifacts(run_id, str(folder))
+        client.log_artifacts(run_id, result.model_dir, artifact_path="model")
+
+    def _log_dataset_input(self, run_id: str, dataset_path: str, digest: str) -> None:
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.meta_dataset import MetaDataset
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "source can be interpreted in multiple ways" is harmless
+            source = resolve_dataset_source(dataset_path)
+        dataset = MetaDataset(source=source, name="training_dataset", digest=digest[:36])
+        self.client.log_inputs(run_id, datasets=[mlflow.entities.DatasetInput(dataset._to_mlflow_entity())])
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.client.log_metric(run_id, key, float(value))
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    def run_url(self, run_id: str, ui_base: str = "http://127.0.0.1:5000") -> str:
+        return f"{ui_base}/#/experiments/{self.experiment_id}/runs/{run_id}"

@@ -1,0 +1,82 @@
+"""Training batches from the row-group reader, across epochs, as torch tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from training_core.data import CacheConfig, RowGroupReader
+from training_core.data.batch_columns import TRAINING_COLUMNS
+from training_core.train.config import TrainingConfig
+
+COLUMNS = TRAINING_COLUMNS
+
+
+class EpochBatches:
+    """Cycles epochs of one rank's shard; each epoch is a new reader with its own order.
+
+    `state_dict()` is the reader's global position, so a checkpoint resumes on the exact batch.
+    """
+
+    def __init__(self, inputs, config: TrainingConfig, rank: int, world_size: int, epoch: int, state: dict | None):
+        self._inputs, self._config = inputs, config
+        self._rank, self._world_size = rank, world_size
+        self.epoch = epoch
+        self._reader = self._open(epoch)
+        if state is not None:
+            self._reader.load_state_dict(state)
+            self.epoch = int(state.get("epoch", epoch))
+        self._iterator = iter(self._reader)
+        self._stats: dict[str, float] = {}
+
+    def _open(self, epoch: int) -> RowGroupReader:
+        inputs, config = self._inputs, self._config
+        cache = (
+            CacheConfig(Path(inputs.cache_dir), config.cache_size_limit_bytes) if inputs.cache_dir else None
+        )
+        return RowGroupReader(
+            inputs.train_dir,
+            columns=COLUMNS,
+            batch_size=config.micro_batch_size,
+            seed=config.data_seed,
+            epoch=epoch,
+            shuffle=True,
+            shuffle_buffer_row_groups=config.shuffle_buffer_row_groups,
+            rank=self._rank,
+            world_size=self._world_size,
+            workers=config.loader_workers,
+            cache=cache,
+            drop_last=True,  # every rank takes the same number of steps (DDP / ZeRO need lockstep)
+        )
+
+    def next(self) -> dict[str, torch.Tensor] | None:
+        """The next batch, rolling into the next epoch; None once `max_epochs` are done."""
+        for _ in range(2):
+            batch = next(self._iterator, None)
+            if batch is not None:
+                return {name: torch.from_numpy(batch[name]).long() for name in COLUMNS}
+            self._accumulate_stats()
+            self._reader.close()
+            self.epoch += 1
+            if self._config.max_epochs is not None and self.epoch >= self._config.max_epochs:
+                return None
+            self._reader = self._open(self.epoch)
+            self._iterator = iter(self._reader)
+        raise RuntimeError(f"epoch {self.epoch} of {self._inputs.train_dir} yields no batch of {self._config.micro_batch_size} rows for rank {self._rank}")
+
+    def state_dict(self) -> dict:
+        return self._reader.state_dict()
+
+    def _accumulate_stats(self) -> None:
+        for key, value in self._reader.stats.as_dict().items():
+            if isinstance(value, (int, float)) and not key.endswith("_per_s") and key != "stall_fraction":
+                self._stats[key] = self._stats.get(key, 0) + value
+
+    def stats(self) -> dict[str, float]:
+        self._accumulate_stats()
+        totals, self._stats = self._stats, {}
+        return totals
+
+    def close(self) -> None:
+        self._reader.close()

@@ -1,0 +1,76 @@
+"""Training checkpoints: DeepSpeed engine state (model, optimizer, scheduler) plus, per rank, the
+RNG states and the loader position, plus the shared progress (step, loss curve, restarts).
+
+Layout of one checkpoint directory (Ray Train merges every rank's files into it):
+    deepspeed/            engine.save_checkpoint(tag=ENGINE_TAG); every rank writes its shard
+    worker-<rank>.pt      python / numpy / torch RNG states and the reader's state_dict
+    progress.json         written by rank 0
+    model/                final checkpoint only: the adapter (LoRA) or full model, save_pretrained
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ENGINE_TAG = "engine"
+PROGRESS_FILE = "progress.json"
+MODEL_DIR = "model"
+
+
+@dataclass
+class TrainingProgress:
+    step: int = 0
+    epoch: int = 0
+    restarts: int = 0
+    loss_history: list[tuple[int, float]] = field(default_factory=list)
+    telemetry: dict = field(default_factory=dict)
+    finished: bool = False
+
+
+def rng_states() -> dict:
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_checkpoint(directory: Path, engine, rank: int, progress: TrainingProgress, loader_state: dict) -> None:
+    """Collective: every rank must call it (DeepSpeed saves its shards on each)."""
+    engine.save_checkpoint(str(directory / "deepspeed"), tag=ENGINE_TAG)
+    torch.save({"rng": rng_states(), "loader": loader_state}, directory / f"worker-{rank}.pt")
+    if rank == 0:
+        (directory / PROGRESS_FILE).write_text(json.dumps(asdict(progress)))
+
+
+def load_progress(directory: Path) -> TrainingProgress:
+    data = json.loads((directory / PROGRESS_FILE).read_text())
+    data["loss_history"] = [tuple(pair) for pair in data["loss_history"]]
+    return TrainingProgress(**data)
+
+
+def restore_checkpoint(directory: Path, engine, rank: int) -> tuple[TrainingProgress, dict | None]:
+    """Load engine state and this rank's RNG/loader state. Returns (progress, loader_state).
+
+    A rank with no file of its own (the world grew) keeps fresh RNG and takes rank 0's loader
+    state: the reader's state is global, so any rank may load it.
+    """
+    engine.load_checkpoint(str(directory / "deepspeed"), tag=ENGINE_TAG, load_module_strict=False)
+    own = directory / f"worker-{rank}.pt"
+    worker_state = torch.load(own if own.exists() else directory / "worker-0.pt", weights_only=False)
+    if own.exists():
+        restore_rng_states(worker_state["rng"])
+    return load_progress(directory), worker_state["loader"]
