@@ -31,6 +31,7 @@ class TrainingProgress:
     loss_history: list[tuple[int, float]] = field(default_factory=list)
     telemetry: dict = field(default_factory=dict)
     finished: bool = False
+    world_size: int = 1
 
 
 def rng_states() -> dict:
@@ -60,6 +61,27 @@ def load_progress(directory: Path) -> TrainingProgress:
     data = json.loads((directory / PROGRESS_FILE).read_text())
     data["loss_history"] = [tuple(pair) for pair in data["loss_history"]]
     return TrainingProgress(**data)
+
+
+def find_latest_checkpoint(run_directory: Path) -> Path | None:
+    """The newest complete checkpoint under a Ray Train run folder (local storage), or None.
+
+    Ray hands the latest *registered* checkpoint to restarted workers, but a worker that dies
+    right after reporting can beat the registration; the files are already on disk, so we look.
+    Complete = progress.json plus every rank's worker file.
+    """
+    best: tuple[int, str, Path] | None = None
+    for candidate in run_directory.glob("checkpoint_*") if run_directory.is_dir() else ():
+        try:
+            progress = load_progress(candidate)
+        except (OSError, ValueError, TypeError):
+            continue
+        if not all((candidate / f"worker-{rank}.pt").exists() for rank in range(progress.world_size)):
+            continue
+        key = (progress.step, candidate.name, candidate)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    return best[2] if best else None
 
 
 def restore_checkpoint(directory: Path, engine, rank: int) -> tuple[TrainingProgress, dict | None]:

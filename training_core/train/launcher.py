@@ -56,6 +56,7 @@ def run_training(
         seq_len=seq_len,
         fault_step=int(fault_step) if fault_step else None,
         fault_marker=str(storage_path / run_name / "fault-injected") if fault_step else None,
+        run_directory=str(storage_path / run_name),
     )
     worker_env = {"DS_ACCELERATOR": "cuda" if config.use_gpu else "cpu", "TOKENIZERS_PARALLELISM": "false"}
     trainer = TorchTrainer(
@@ -86,6 +87,8 @@ def run_training(
         if final_model.exists():
             shutil.rmtree(final_model)
         shutil.copytree(Path(directory) / MODEL_DIR, final_model)
+    if progress.restarts:
+        log.warning("training run %s resumed from checkpoint %d time(s)", run_name, progress.restarts)
     return TrainingResult(
         run_name=run_name,
         model_dir=str(final_model),

@@ -16,6 +16,7 @@ import torch
 from training_core.train.checkpointing import (
     MODEL_DIR,
     TrainingProgress,
+    find_latest_checkpoint,
     restore_checkpoint,
     save_checkpoint,
 )
@@ -39,6 +40,7 @@ class WorkerInputs:
     seq_len: int
     fault_step: int | None = None  # chaos hook: kill one worker once at this step
     fault_marker: str | None = None  # file that records the fault already happened
+    run_directory: str | None = None  # this run's Ray Train storage folder, when local
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -51,6 +53,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     import deepspeed  # after DS_ACCELERATOR: DeepSpeed picks its accelerator at import
     import ray.train
 
+    # Ray already set up torch.distributed; DeepSpeed wraps that group. Needed before ZeRO-3's
+    # zero.Init (inside from_pretrained) reads the world size.
+    deepspeed.init_distributed(dist_backend="nccl" if config.use_gpu else "gloo")
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     if not config.use_gpu:
@@ -78,16 +83,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
     )
 
     # Resume or start fresh.
-    progress, loader_state = TrainingProgress(), None
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            progress, loader_state = restore_checkpoint(Path(directory), engine, rank)
-        if not progress.finished:  # a finished run relaunched is a no-op, not a restart
-            progress.restarts += 1
-        log.warning("rank %d resumed from checkpoint at step %d (restart %d)", rank, progress.step, progress.restarts)
-    else:
+    progress, loader_state = _resume(engine, rank, inputs)
+    if loader_state is None:
         torch.manual_seed(config.seed + rank)
+    progress.world_size = world_size
 
     from training_core.train.batches import EpochBatches
 
@@ -141,6 +140,26 @@ def train_loop_per_worker(loop_config: dict) -> None:
     progress.finished = True
     _report(engine, rank, progress, batches.state_dict(), final=True)
     batches.close()
+
+
+def _resume(engine, rank: int, inputs: WorkerInputs) -> tuple[TrainingProgress, dict | None]:
+    """Restore from Ray's latest checkpoint, else from the newest complete one on local storage
+    (a worker killed right after a report, or a relaunched Dagster run with the same inputs)."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            progress, loader_state = restore_checkpoint(Path(directory), engine, rank)
+    else:
+        local = find_latest_checkpoint(Path(inputs.run_directory)) if inputs.run_directory else None
+        if local is None:
+            return TrainingProgress(), None
+        progress, loader_state = restore_checkpoint(local, engine, rank)
+    if not progress.finished:  # relaunching a finished run is a no-op, not a restart
+        progress.restarts += 1
+    log.warning("rank %d resumed from checkpoint at step %d (restart %d)", rank, progress.step, progress.restarts)
+    return progress, loader_state
 
 
 def _report(engine, rank: int, progress: TrainingProgress, loader_state: dict, final: bool) -> None:

@@ -1,0 +1,149 @@
+"""Ray on Kubernetes: dagster-ray's `KubeRayCluster` built from deploy/kuberay/raycluster.yaml.
+
+One manifest, two ways to use it:
+- attach (default): the RayCluster named in the manifest is applied with `kubectl` and stays up.
+  Each training step finds it by name (creating it from the manifest only if it is missing),
+  waits until it is ready, connects with Ray Client and never deletes it.
+- ephemeral: each training step creates its own RayCluster from the manifest's spec (dagster-ray
+  generates the name) and deletes it when the step ends.
+
+Either way the step pod is the Ray driver: it needs the shared volume (deploy/shared-state.yaml)
+mounted at the same path as the Ray pods, and no GPU (deploy/k8s_tags.py, `training_on_kuberay`).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin
+
+import yaml
+from dagster_ray import Lifecycle
+from dagster_ray.kuberay import KubeRayCluster, RayClusterConfig, RayClusterSpec
+from pydantic import BaseModel, ValidationError
+
+from resources.paths import REPO_ROOT
+
+DEFAULT_MANIFEST = REPO_ROOT / "deploy" / "kuberay" / "raycluster.yaml"
+RAYCLUSTER_API_VERSION = "ray.io/v1"
+
+
+class KubeRayManifestError(ValueError):
+    """The RayCluster manifest cannot be turned into a dagster-ray resource."""
+
+
+def load_raycluster_manifest(path: str | Path = DEFAULT_MANIFEST) -> dict[str, Any]:
+    """The single `RayCluster` object of a YAML file, checked for kind and apiVersion."""
+    path = Path(path)
+    try:
+        documents = [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    except (OSError, yaml.YAMLError) as error:
+        raise KubeRayManifestError(f"{path}: cannot read a YAML RayCluster manifest: {error}") from error
+    clusters = [doc for doc in documents if isinstance(doc, dict) and doc.get("kind") == "RayCluster"]
+    if len(clusters) != 1:
+        raise KubeRayManifestError(f"{path}: expected exactly one object of kind RayCluster, found {len(clusters)}")
+    manifest = clusters[0]
+    if manifest.get("apiVersion") != RAYCLUSTER_API_VERSION:
+        raise KubeRayManifestError(
+            f"{path}: apiVersion is {manifest.get('apiVersion')!r}; dagster-ray creates {RAYCLUSTER_API_VERSION!r}"
+        )
+    if not isinstance(manifest.get("spec"), dict):
+        raise KubeRayManifestError(f"{path}: the RayCluster has no spec")
+    return manifest
+
+
+def raycluster_config_from_manifest(manifest: Mapping[str, Any]) -> RayClusterConfig:
+    """dagster-ray's `RayClusterConfig` holding the manifest's metadata and spec.
+
+    dagster-ray declares the spec's fields in snake_case (`head_group_spec`) and converts them back
+    to camelCase when it creates the cluster; fields it does not declare pass through as they are.
+    Feeding it camelCase keys for declared fields would keep its defaults *and* add the manifest's
+    keys, which it rejects as a collision, hence the renaming here."""
+    metadata = dict(manifest.get("metadata") or {})
+    try:
+        spec = RayClusterSpec(**_declared_fields_in_snake_case(RayClusterSpec, manifest["spec"]))
+        return RayClusterConfig(
+            kind=manifest.get("kind", "RayCluster"),
+            api_version=manifest.get("apiVersion", RAYCLUSTER_API_VERSION),
+            metadata=metadata,
+            spec=spec,
+        )
+    except ValidationError as error:
+        raise KubeRayManifestError(f"RayCluster {metadata.get('name', '<unnamed>')}: {error}") from error
+
+
+def kuberay_cluster_from_manifest(
+    path: str | Path = DEFAULT_MANIFEST,
+    *,
+    ephemeral: bool = False,
+    image: str | None = None,
+    **resource_options: Any,
+) -> KubeRayCluster:
+    """The `ray_cluster` resource for production definitions (replaces `LocalRayCluster`).
+
+    `image` replaces the image of every Ray container (e.g. the immutable tag of this release);
+    `resource_options` go to `KubeRayCluster` as they are (`timeout`, `ray_init_options`, ...)."""
+    manifest = copy.deepcopy(load_raycluster_manifest(path))
+    if image is not None:
+        for group in _group_specs(manifest["spec"]):
+            for container in group["template"]["spec"]["containers"]:
+                container["image"] = image
+    if ephemeral:
+        manifest.setdefault("metadata", {}).pop("name", None)
+    elif not (manifest.get("metadata") or {}).get("name"):
+        raise KubeRayManifestError(f"{path}: attaching to a RayCluster needs metadata.name")
+    options: dict[str, Any] = {
+        "ray_cluster": raycluster_config_from_manifest(manifest),
+        # attach: the cluster outlives the step; ephemeral: the step's cluster goes with it.
+        "lifecycle": Lifecycle(cleanup="always" if ephemeral else "never"),
+        **resource_options,
+    }
+    return KubeRayCluster(**options)
+
+
+def _group_specs(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [spec["headGroupSpec"], *spec.get("workerGroupSpecs", [])]
+
+
+def _snake_case(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _declared_fields_in_snake_case(model: type[BaseModel], values: Mapping[str, Any]) -> dict[str, Any]:
+    """Rename keys of `values` that are declared fields of `model` (recursing into nested config
+    models, e.g. `authOptions.secretName`); leave every other key untouched."""
+    fields = model.model_fields
+    renamed: dict[str, Any] = {}
+    for key, value in values.items():
+        name = _snake_case(key)
+        if name not in fields:
+            renamed[key] = value
+            continue
+        nested = _config_model(fields[name].annotation)
+        renamed[name] = (
+            _declared_fields_in_snake_case(nested, value) if nested and isinstance(value, Mapping) else value
+        )
+    return renamed
+
+
+def _config_model(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside `X`, `X | None` or `Optional[X]`, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) in (Union, types.UnionType):
+        for arg in get_args(annotation):
+            if (model := _config_model(arg)) is not None:
+                return model
+    return None
+
+
+__all__ = [
+    "DEFAULT_MANIFEST",
+    "KubeRayManifestError",
+    "kuberay_cluster_from_manifest",
+    "load_raycluster_manifest",
+    "raycluster_config_from_manifest",
+]
