@@ -1,0 +1,100 @@
+"""The whole asset graph with real Dagster, Ray, DeepSpeed, PEFT and MLflow, on demo defaults."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from mlflow.tracking import MlflowClient
+
+from assets.evaluation_assets import CHAMPION_ALIAS, REGISTERED_MODEL
+from assets.partitions import DEMO_PARTITION
+from pipelines.graph import ASSETS
+from pipelines.resources_local import local_resources
+
+pytestmark = pytest.mark.e2e
+
+LINEAGE_KEYS = {
+    "seed", "data_seed", "dataset_digest", "cache_version", "base_model", "base_model_digest", "config_digest",
+    "code_version", "dagster_run_id", "partition_keys", "version_torch", "version_deepspeed",
+    "version_transformers", "version_peft", "version_ray", "version_pyarrow",
+}
+
+
+@pytest.fixture(scope="module")
+def demo_run(ray_session, tmp_path_factory):
+    home = tmp_path_factory.mktemp("tessera-home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TESSERA_HOME", str(home))
+    try:
+        result = dg.materialize(ASSETS, partition_key=DEMO_PARTITION, resources=local_resources(),
+                                instance=dg.DagsterInstance.ephemeral())
+    finally:
+        mp.undo()
+    return home, result
+
+
+def _materialization(result, key: str):
+    return next(e.materialization for e in result.get_asset_materialization_events() if e.asset_key.path[-1] == key)
+
+
+def test_whole_graph_materializes_and_meets_the_demo_targets(demo_run):
+    _, result = demo_run
+    assert result.success
+    assert {e.asset_key.path[-1] for e in result.get_asset_materialization_events()} == {
+        "raw_examples", "training_dataset", "row_group_cache", "base_model", "lora_adapter", "evaluation",
+        "promoted_model"}
+    report = result.output_for_node("evaluation")
+    assert report.trained.loss <= 0.7 * report.base.loss
+    assert report.trained.exact_match >= 0.5
+    check = next(e for e in result.get_asset_check_evaluations() if e.check_name == "beats_base_model")
+    assert check.passed
+
+
+def test_training_run_records_the_full_lineage_in_mlflow(demo_run):
+    home, result = demo_run
+    trained = result.output_for_node("lora_adapter")
+    dataset = result.output_for_node("training_dataset")
+    cache = result.output_for_node("row_group_cache")
+    base = result.output_for_node("base_model")
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    run = client.get_run(trained.mlflow_run_id)
+    params = run.data.params
+    assert LINEAGE_KEYS <= params.keys()
+    assert params["dataset_digest"] == dataset.digest
+    assert params["cache_version"] == cache.cache_version
+    assert params["base_model_digest"] == base.digest
+    assert params["partition_keys"] == DEMO_PARTITION
+    assert params["dagster_run_id"] == result.run_id
+    assert [d.dataset.digest for d in run.inputs.dataset_inputs] == [dataset.digest[:36]]
+    history = client.get_metric_history(run.info.run_id, "train_loss")
+    assert len(history) == int(run.data.metrics["steps"]) and history[-1].value < history[0].value
+    assert run.data.metrics["eval_exact_match"] >= 0.5
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"training_config.json", "deepspeed_config.json", "lineage.json", "loss_curve.png", "model"} <= artifacts
+    config = json.loads(Path(client.download_artifacts(run.info.run_id, "deepspeed_config.json")).read_text())
+    assert config["zero_optimization"]["stage"] == 2 and "auto" not in json.dumps(config)
+
+
+def test_promotion_points_champion_at_this_run(demo_run):
+    home, result = demo_run
+    trained = result.output_for_node("lora_adapter")
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    champion = client.get_model_version_by_alias(REGISTERED_MODEL, CHAMPION_ALIAS)
+    assert champion.run_id == trained.mlflow_run_id
+
+
+def test_dagster_metadata_links_the_mlflow_run_and_data_versions(demo_run):
+    _, result = demo_run
+    training = _materialization(result, "lora_adapter")
+    trained = result.output_for_node("lora_adapter")
+    assert trained.mlflow_run_id in training.metadata["mlflow_run"].value
+    dataset = _materialization(result, "training_dataset")
+    assert dataset.tags["dagster/data_version"] == result.output_for_node("training_dataset").digest
+
+
+def test_state_stays_under_tessera_home(demo_run):
+    home, _ = demo_run
+    assert {p.name for p in home.iterdir()} >= {"mlflow.db", "mlartifacts", "datasets", "cache", "ray", "models"}
