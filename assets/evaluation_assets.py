@@ -38,7 +38,7 @@ def evaluation(
             f"lora_adapter was trained on dataset {lora_adapter.dataset_digest[:12]} but evaluation got "
             f"{training_dataset.digest[:12]}; rematerialize lora_adapter for partition {context.partition_key}"
         )
-    base, trained = evaluate_against_base(base_model.name_or_path, lora_adapter.model_dir, read_eval_records(training_dataset))
+    base, trained = evaluate_against_base(base_model.name_or_path, lora_adapter.model_dir, read_eval_records(training_dataset.path))
     report = EvaluationReport(base, trained, lora_adapter.model_dir, lora_adapter.mlflow_run_id)
     mlflow_tracker.client().log_metrics(lora_adapter.mlflow_run_id, report.as_metrics())
     yield dg.Output(report, metadata={k: float(v) for k, v in report.as_metrics().items()})

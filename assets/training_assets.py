@@ -95,6 +95,7 @@ def lora_adapter(
     result = tracked.result
     losses = [loss for _, loss in result.loss_history]
     telemetry = result.telemetry
+    lookups = telemetry.get("loader_cache_hits", 0) + telemetry.get("loader_cache_misses", 0)
     return dg.Output(
         TrainedModel(result.model_dir, training_config.method, tracked.mlflow_run_id, base_model.name_or_path,
                      training_dataset.digest, losses[-1]),
@@ -108,6 +109,9 @@ def lora_adapter(
             "final_loss": losses[-1],
             "tokens_per_s": telemetry.get("tokens_per_s", 0.0),
             "data_stall_fraction": telemetry.get("data_stall_fraction", 0.0),
+            "cache_hit_rate": telemetry.get("loader_cache_hits", 0) / lookups if lookups else 0.0,
+            "mfu": telemetry.get("mfu", 0.0),
+            "peak_memory_mb": telemetry.get("peak_memory_mb", 0.0),
             "achieved_flops_per_s": telemetry.get("achieved_flops_per_s", 0.0),
             "loss_curve": dg.MetadataValue.md(_sparkline_table(result.loss_history)),
         },

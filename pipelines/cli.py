@@ -64,7 +64,7 @@ def _summarize(result) -> dict:
         "train_rows": dataset.train_rows,
         "dataset_digest": dataset.digest,
         "cache_version": cache.cache_version,
-        "cache_hit_rate": cache.hit_rate,
+        "cache_hit_rate": training_metadata["cache_hit_rate"].value,
         "tokens_per_s": training_metadata["tokens_per_s"].value,
         "eval_loss_base": report.base.loss,
         "eval_loss_trained": report.trained.loss,
@@ -81,7 +81,7 @@ def _print_summary(summary: dict) -> None:
     table.add_column("value", overflow="fold")
     table.add_row("training rows", str(summary["train_rows"]))
     table.add_row("dataset digest", summary["dataset_digest"][:16])
-    table.add_row("cache version / warm hit rate", f"{summary['cache_version']} / {summary['cache_hit_rate']:.2f}")
+    table.add_row("cache version / training hit rate", f"{summary['cache_version']} / {summary['cache_hit_rate']:.2f}")
     table.add_row("train tokens/s", f"{summary['tokens_per_s']:.0f}")
     table.add_row("eval loss base → trained", f"{summary['eval_loss_base']:.3f} → {summary['eval_loss_trained']:.3f}")
     table.add_row("exact-match base → trained",

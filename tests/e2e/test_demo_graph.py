@@ -98,3 +98,43 @@ def test_dagster_metadata_links_the_mlflow_run_and_data_versions(demo_run):
 def test_state_stays_under_tessera_home(demo_run):
     home, _ = demo_run
     assert {p.name for p in home.iterdir()} >= {"mlflow.db", "mlartifacts", "datasets", "cache", "ray", "models"}
+
+
+def _reproduce(home: Path, run_id: str) -> tuple[int, str]:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from pipelines.reproduce import reproduce_run
+
+    output = StringIO()
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TESSERA_HOME", str(home))
+    try:
+        code = reproduce_run(run_id, Console(file=output, width=200))
+    finally:
+        mp.undo()
+    return code, output.getvalue()
+
+
+def test_reproduce_reruns_from_lineage_and_matches_exactly(demo_run):
+    home, result = demo_run
+    original = result.output_for_node("lora_adapter").mlflow_run_id
+    code, output = _reproduce(home, original)
+    assert code == 0, output
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    (reproduced,) = client.search_runs([client.get_run(original).info.experiment_id],
+                                       filter_string=f"tags.reproduces = '{original}'")
+    curve = lambda run_id: [m.value for m in client.get_metric_history(run_id, "train_loss")]  # noqa: E731
+    assert curve(reproduced.info.run_id) == curve(original)
+    assert reproduced.data.metrics["eval_exact_match"] == client.get_run(original).data.metrics["eval_exact_match"]
+
+
+def test_reproduce_refuses_when_the_dataset_changed(demo_run):
+    # Runs last in this module: it alters the published dataset.
+    home, result = demo_run
+    dataset = Path(result.output_for_node("training_dataset").path)
+    (dataset / "manifest.json").write_text((dataset / "manifest.json").read_text() + " ")
+    code, output = _reproduce(home, result.output_for_node("lora_adapter").mlflow_run_id)
+    assert code == 2
+    assert "content changed" in output and str(dataset)[:20] in output.replace("\n", "")

@@ -34,7 +34,7 @@ def test_packing_masks_prompts_and_padding():
 
 
 def test_eval_split_is_by_prompt_so_no_prompt_leaks(demo_dataset, demo_model):
-    eval_prompts = {r["prompt"] for r in read_eval_records(demo_dataset)}
+    eval_prompts = {r["prompt"] for r in read_eval_records(demo_dataset.path)}
     assert eval_prompts and all(is_eval_example(p, 0.05) for p in eval_prompts)
     records = generate_records("2026-11-01", 2000)
     train_prompts = {r["prompt"] for r in records if not is_eval_example(r["prompt"], 0.05)}

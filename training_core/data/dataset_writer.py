@@ -127,5 +127,6 @@ def write_dataset(
     )
 
 
-def read_eval_records(dataset: PublishedDataset) -> list[dict[str, str]]:
-    return pq.read_table(dataset.eval_file).to_pylist()
+def read_eval_records(dataset_path: str | Path) -> list[dict[str, str]]:
+    """The held-out split of a published dataset (raw prompt / response text)."""
+    return pq.read_table(Path(dataset_path) / "eval.parquet").to_pylist()

@@ -1,0 +1,47 @@
+"""`tessera reproduce RUN_ID`: rerun a recorded training run and print a side-by-side diff."""
+
+import uuid
+
+from rich.console import Console
+from rich.table import Table
+
+from resources import MlflowTracker, RowGroupCache, TesseraStorage
+from training_core.data.dataset_writer import read_eval_records
+from training_core.errors import LineageError
+from training_core.evaluate.compare import evaluate_against_base
+from training_core.reproduce import compare_runs, load_recorded_run
+from training_core.runs import run_tracked_training
+
+
+def reproduce_run(run_id: str, console: Console) -> int:
+    import ray
+
+    storage = TesseraStorage()
+    tracking = MlflowTracker(storage=storage).client()
+    try:
+        recorded = load_recorded_run(tracking, run_id, str(RowGroupCache(storage=storage).config().directory))
+    except LineageError as error:
+        console.print(f"[red]cannot reproduce:[/] {error}")
+        return 2
+    if not ray.is_initialized():
+        ray.init(logging_level="warning")
+    tracked = run_tracked_training(
+        recorded.config, recorded.inputs, tracking, ray_storage=storage.ray_storage,
+        models_dir=storage.folder("models") / "trained", extra_tags={"reproduces": run_id},
+        run_name_suffix=f"reproduce-{uuid.uuid4().hex[:8]}",
+    )
+    dataset_records = read_eval_records(recorded.inputs.dataset_path)
+    base, trained = evaluate_against_base(recorded.inputs.base_model, tracked.result.model_dir, dataset_records)
+    tracking.log_metrics(tracked.mlflow_run_id, {**base.as_dict("eval_base_"), **trained.as_dict("eval_")})
+    rows = compare_runs(tracking, run_id, tracked.mlflow_run_id)
+    table = Table(title=f"reproduce {run_id} → {tracked.mlflow_run_id}")
+    for column in ("metric", "original", "reproduced", "match"):
+        table.add_column(column)
+    for name, a, b, equal in rows:
+        table.add_row(name, _fmt(a), _fmt(b), "[green]yes[/]" if equal else "[red]NO[/]")
+    console.print(table)
+    return 0 if all(equal for *_, equal in rows) else 1
+
+
+def _fmt(value) -> str:
+    return "—" if value is None else f"{value:.6g}"
