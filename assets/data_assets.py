@@ -12,6 +12,7 @@ from resources import TesseraStorage
 from training_core.base_model import BaseModelRef, load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, PublishedDataset, write_dataset
 from training_core.data.demo_task import generate_records
+from training_core.data.quality import run_dataset_checks
 from training_core.data.sources import read_records
 from training_core.errors import EmptyPartitionError
 from training_core.storage import directory_digest, publish_directory, staging_directory
@@ -66,7 +67,15 @@ class TrainingDatasetConfig(dg.Config):
     max_eval_examples: int = Field(200, gt=0)
 
 
-@dg.asset(partitions_def=DAILY, group_name="data", kinds={"parquet"})
+DATASET_CHECKS = ("schema", "no_empty_rows", "no_duplicate_rows", "token_lengths", "no_eval_leakage")
+
+
+@dg.asset(
+    partitions_def=DAILY,
+    group_name="data",
+    kinds={"parquet"},
+    check_specs=[dg.AssetCheckSpec(name, asset="training_dataset", blocking=True) for name in DATASET_CHECKS],
+)
 def training_dataset(
     context: dg.AssetExecutionContext,
     config: TrainingDatasetConfig,
@@ -78,15 +87,16 @@ def training_dataset(
     atomically under datasets/training/<day>/<digest>. The content digest is the data version."""
     records = read_records(raw_examples.path)
     spec = DatasetSpec(**config.model_dump())
+    tokenizer = load_tokenizer(base_model.name_or_path)
     dataset: PublishedDataset = write_dataset(
         records,
-        load_tokenizer(base_model.name_or_path),
+        tokenizer,
         storage.folder("datasets") / "training" / context.partition_key,
         spec,
         source_label=f"partition {context.partition_key}",
         extra_manifest={"raw_digest": raw_examples.digest, "tokenizer": base_model.digest},
     )
-    return dg.Output(
+    yield dg.Output(
         dataset,
         metadata={
             "path": dg.MetadataValue.path(dataset.path),
@@ -99,3 +109,7 @@ def training_dataset(
         },
         data_version=dg.DataVersion(dataset.digest),
     )
+    # Blocking: a failed check stops row_group_cache and training for this partition.
+    for outcome in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer):
+        yield dg.AssetCheckResult(check_name=outcome.name, passed=outcome.passed,
+                                  description=outcome.description, metadata=outcome.metadata)

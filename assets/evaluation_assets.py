@@ -1,6 +1,6 @@
-"""evaluation (+ gate) → promoted_model (MLflow registry alias `champion`)."""
+"""evaluation (+ gates) → promoted_model (MLflow registry alias `champion`)."""
 
-
+import tempfile
 from dataclasses import dataclass
 
 import dagster as dg
@@ -10,19 +10,26 @@ from assets.training_assets import TrainedModel
 from resources import MlflowTracker
 from training_core.base_model import BaseModelRef
 from training_core.data.dataset_writer import PublishedDataset, read_eval_records
-from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
+from training_core.evaluate.compare import EvaluationReport, evaluate_against_base, evaluate_trained
+from training_core.tracking import ModelRegistry
 
 REGISTERED_MODEL = "tessera-adapter"
 CHAMPION_ALIAS = "champion"
 # "Better than the base": the trained model's held-out loss must be below the base model's.
 MAX_LOSS_RATIO = 1.0
+# "Not worse than the champion": at most 5 % higher held-out loss than the current champion.
+CHAMPION_TOLERANCE = 0.05
 
 
 @dg.asset(
     partitions_def=DAILY,
     group_name="evaluation",
-    check_specs=[dg.AssetCheckSpec("beats_base_model", asset="evaluation", blocking=True,
-                                   description="the trained model's held-out loss is below the base model's")],
+    check_specs=[
+        dg.AssetCheckSpec("beats_base_model", asset="evaluation", blocking=True,
+                          description="the trained model's held-out loss is below the base model's"),
+        dg.AssetCheckSpec("not_worse_than_champion", asset="evaluation", blocking=True,
+                          description=f"held-out loss at most {CHAMPION_TOLERANCE:.0%} above the current champion's"),
+    ],
 )
 def evaluation(
     context: dg.AssetExecutionContext,
@@ -31,21 +38,29 @@ def evaluation(
     base_model: BaseModelRef,
     lora_adapter: TrainedModel,
 ):
-    """Eval loss, perplexity and exact-match on the dataset's held-out prompts: base vs trained.
-    The blocking check `beats_base_model` stops promotion when training did not help."""
+    """Eval loss, perplexity and exact-match on the dataset's held-out prompts: base vs trained vs
+    champion. Blocking checks stop promotion when training did not help."""
     if lora_adapter.dataset_digest != training_dataset.digest:
         raise ValueError(
             f"lora_adapter was trained on dataset {lora_adapter.dataset_digest[:12]} but evaluation got "
             f"{training_dataset.digest[:12]}; rematerialize lora_adapter for partition {context.partition_key}"
         )
-    base, trained = evaluate_against_base(base_model.name_or_path, lora_adapter.model_dir, read_eval_records(training_dataset.path))
-    report = EvaluationReport(base, trained, lora_adapter.model_dir, lora_adapter.mlflow_run_id)
-    mlflow_tracker.client().log_metrics(lora_adapter.mlflow_run_id, report.as_metrics())
+    records = read_eval_records(training_dataset.path)
+    base, trained = evaluate_against_base(base_model.name_or_path, lora_adapter.model_dir, records)
+    tracking = mlflow_tracker.client()
+    with tempfile.TemporaryDirectory() as tmp:
+        champion = ModelRegistry(tracking, REGISTERED_MODEL, CHAMPION_ALIAS).download_champion(tmp)
+        champion_metrics = None
+        if champion is not None and champion[0] != lora_adapter.mlflow_run_id:
+            champion_metrics = evaluate_trained(champion[1], champion[2], records)
+    report = EvaluationReport(base, trained, lora_adapter.model_dir, lora_adapter.mlflow_run_id, champion_metrics)
+    tracking.log_metrics(lora_adapter.mlflow_run_id, report.as_metrics())
     yield dg.Output(report, metadata={k: float(v) for k, v in report.as_metrics().items()})
-    yield beats_base_model(report)
+    yield _beats_base_model(report)
+    yield _not_worse_than_champion(report, champion[0] if champion else None)
 
 
-def beats_base_model(report: EvaluationReport) -> dg.AssetCheckResult:
+def _beats_base_model(report: EvaluationReport) -> dg.AssetCheckResult:
     ratio = report.loss_ratio
     return dg.AssetCheckResult(
         check_name="beats_base_model",
@@ -56,26 +71,37 @@ def beats_base_model(report: EvaluationReport) -> dg.AssetCheckResult:
     )
 
 
+def _not_worse_than_champion(report: EvaluationReport, champion_run: str | None) -> dg.AssetCheckResult:
+    if report.champion is None:
+        reason = "no champion yet" if champion_run is None else "this run is the champion"
+        return dg.AssetCheckResult(check_name="not_worse_than_champion", passed=True, description=reason)
+    limit = report.champion.loss * (1 + CHAMPION_TOLERANCE)
+    return dg.AssetCheckResult(
+        check_name="not_worse_than_champion",
+        passed=bool(report.trained.loss <= limit),
+        metadata={"trained_loss": report.trained.loss, "champion_loss": report.champion.loss,
+                  "champion_run_id": champion_run or ""},
+        description=f"eval loss {report.trained.loss:.4f} vs champion {report.champion.loss:.4f} (limit {limit:.4f})",
+    )
+
+
 @dataclass(frozen=True)
 class PromotedModel:
     name: str
     version: str
     alias: str
+    run_id: str
 
 
 @dg.asset(partitions_def=DAILY, group_name="evaluation", kinds={"mlflow"})
 def promoted_model(context: dg.AssetExecutionContext, mlflow_tracker: MlflowTracker, evaluation: EvaluationReport):
-    """Registers the trained model and points the `champion` alias at it (only after checks pass)."""
-    client = mlflow_tracker.client().client
-    try:
-        client.get_registered_model(REGISTERED_MODEL)
-    except Exception:  # MlflowException(RESOURCE_DOES_NOT_EXIST)
-        client.create_registered_model(REGISTERED_MODEL)
-    run = client.get_run(evaluation.mlflow_run_id)
-    version = client.create_model_version(REGISTERED_MODEL, f"{run.info.artifact_uri}/model", run_id=run.info.run_id)
-    client.set_registered_model_alias(REGISTERED_MODEL, CHAMPION_ALIAS, version.version)
-    context.log.info("%s version %s is now %s", REGISTERED_MODEL, version.version, CHAMPION_ALIAS)
+    """Registers the trained model and points `champion` at it. Runs only when every blocking
+    check upstream passed; promoting the current champion again is a no-op."""
+    registry = ModelRegistry(mlflow_tracker.client(), REGISTERED_MODEL, CHAMPION_ALIAS)
+    version, changed = registry.promote(evaluation.mlflow_run_id)
+    context.log.info("%s version %s is %s %s", REGISTERED_MODEL, version, "now" if changed else "still", CHAMPION_ALIAS)
     return dg.Output(
-        PromotedModel(REGISTERED_MODEL, str(version.version), CHAMPION_ALIAS),
-        metadata={"registered_model": REGISTERED_MODEL, "version": str(version.version), "alias": CHAMPION_ALIAS},
+        PromotedModel(REGISTERED_MODEL, version, CHAMPION_ALIAS, evaluation.mlflow_run_id),
+        metadata={"registered_model": REGISTERED_MODEL, "version": version, "alias": CHAMPION_ALIAS,
+                  "alias_moved": changed, "mlflow_run_id": evaluation.mlflow_run_id},
     )

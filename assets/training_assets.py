@@ -74,7 +74,8 @@ def lora_adapter(
     row_group_cache: WarmCache,
     base_model: BaseModelRef,
 ):
-    """Fine-tunes the base model on the day's dataset (batches from the warmed row-group cache)."""
+    """Fine-tunes the base model on the day's dataset (batches from the warmed row-group cache).
+    When dataset, base model, config and code are unchanged since a finished run, that run is reused."""
     training_config = config.training_config()
     training_config.check_hardware(gpu_available_in_cluster())
     tracker = mlflow_tracker.client()
@@ -105,6 +106,7 @@ def lora_adapter(
             "model_dir": dg.MetadataValue.path(result.model_dir),
             "steps": result.steps,
             "restarts": result.restarts,
+            "reused_earlier_run": tracked.reused,
             "first_loss": losses[0],
             "final_loss": losses[-1],
             "tokens_per_s": telemetry.get("tokens_per_s", 0.0),

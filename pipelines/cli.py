@@ -4,32 +4,19 @@
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from pipelines.instance import prepare_home
+
 console = Console()
 
 
-def _prepare_home(home: str | None) -> Path:
-    from resources.paths import default_home
-
-    root = Path(home).resolve() if home else default_home()
-    os.environ["TESSERA_HOME"] = str(root)
-    dagster_home = root / "dagster"
-    dagster_home.mkdir(parents=True, exist_ok=True)
-    settings = dagster_home / "dagster.yaml"
-    if not settings.exists():
-        settings.write_text("telemetry:\n  enabled: false\n")
-    os.environ["DAGSTER_HOME"] = str(dagster_home)
-    return root
-
-
 def demo(args: argparse.Namespace) -> int:
-    root = _prepare_home(args.home)
+    root = prepare_home(args.home)
     import dagster as dg
 
     from assets.partitions import DEMO_PARTITION
@@ -104,7 +91,7 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def reproduce(args: argparse.Namespace) -> int:
-    _prepare_home(args.home)
+    prepare_home(args.home)
     from pipelines.reproduce import reproduce_run
 
     return reproduce_run(args.run_id, console)

@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from pipelines.graph import ASSETS, JOBS
+from pipelines.graph import ASSETS, JOBS, SCHEDULES
 from pipelines.resources_local import local_resources
 
-defs = dg.Definitions(assets=ASSETS, jobs=JOBS, resources=local_resources())
+defs = dg.Definitions(assets=ASSETS, jobs=JOBS, schedules=SCHEDULES, resources=local_resources())

@@ -3,12 +3,13 @@
 import dagster as dg
 
 from deploy.k8s_executor import tessera_k8s_executor
-from pipelines.graph import ASSETS, JOBS
+from pipelines.graph import ASSETS, JOBS, SCHEDULES
 from pipelines.resources_kubernetes import kubernetes_resources
 
 defs = dg.Definitions(
     assets=ASSETS,
     jobs=JOBS,
+    schedules=SCHEDULES,
     resources=kubernetes_resources(),
     executor=tessera_k8s_executor(training_on_kuberay=True),
 )

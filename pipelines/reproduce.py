@@ -28,7 +28,7 @@ def reproduce_run(run_id: str, console: Console) -> int:
     tracked = run_tracked_training(
         recorded.config, recorded.inputs, tracking, ray_storage=storage.ray_storage,
         models_dir=storage.folder("models") / "trained", extra_tags={"reproduces": run_id},
-        run_name_suffix=f"reproduce-{uuid.uuid4().hex[:8]}",
+        run_name_suffix=f"reproduce-{uuid.uuid4().hex[:8]}", reuse_finished=False,
     )
     dataset_records = read_eval_records(recorded.inputs.dataset_path)
     base, trained = evaluate_against_base(recorded.inputs.base_model, tracked.result.model_dir, dataset_records)

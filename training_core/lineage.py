@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import subprocess
 from pathlib import Path
@@ -11,16 +12,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def code_version(repo_root: Path = REPO_ROOT) -> str:
-    """`git sha` (+ `-dirty` with uncommitted changes), or the installed package version."""
+    """`git sha`, plus `-dirty-<hash of the diff>` with uncommitted changes (so two different dirty
+    trees never look alike), or the installed package version outside a git checkout."""
     try:
         sha = subprocess.run(
             ["git", "-C", str(repo_root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
         ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(repo_root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, check=True, timeout=10,
-        ).stdout.strip()
-        return f"{sha}{'-dirty' if dirty else ''}"
+        diff = subprocess.run(
+            ["git", "-C", str(repo_root), "diff", "HEAD"], capture_output=True, check=True, timeout=30
+        ).stdout
+        return f"{sha}-dirty-{hashlib.sha256(diff).hexdigest()[:12]}" if diff.strip() else sha
     except (OSError, subprocess.SubprocessError):
         return f"tessera=={importlib.metadata.version('tessera')}"
 

@@ -35,6 +35,31 @@ class TrackedRun:
     mlflow_run_id: str
     result: TrainingResult
     lineage: dict[str, str]
+    reused: bool = False  # an earlier finished run had the same inputs, config and code
+
+
+# Inputs that fully determine a CPU training result; equal values ⇒ the earlier result is reused.
+REUSE_KEYS = ("dataset_digest", "base_model_digest", "config_digest", "code_version", "cache_version")
+
+
+def find_reusable_run(tracking: MlflowTracking, lineage: dict[str, str]) -> TrackedRun | None:
+    """A finished, non-reproduction run with the same inputs whose model folder still exists."""
+    clauses = [f"params.{key} = '{lineage[key]}'" for key in REUSE_KEYS] + ["attributes.status = 'FINISHED'"]
+    runs = tracking.client.search_runs([tracking.experiment_id], filter_string=" and ".join(clauses),
+                                       order_by=["attributes.start_time DESC"], max_results=20)
+    for run in runs:
+        model_dir = run.data.tags.get("model_dir")
+        if "reproduces" in run.data.tags or not model_dir or not Path(model_dir).is_dir():
+            continue
+        history = sorted(tracking.client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step)
+        metrics = run.data.metrics
+        result = TrainingResult(
+            run_name=run.info.run_name, model_dir=model_dir, steps=int(metrics.get("steps", len(history))),
+            restarts=int(metrics.get("restarts", 0)), loss_history=[(m.step, m.value) for m in history],
+            telemetry=dict(metrics), deepspeed_config={},
+        )
+        return TrackedRun(mlflow_run_id=run.info.run_id, result=result, lineage=dict(run.data.params), reused=True)
+    return None
 
 
 def ray_run_name(inputs: TrainingInputs, config: TrainingConfig, suffix: str = "") -> str:
@@ -54,6 +79,7 @@ def run_tracked_training(
     dagster_run_id: str = "",
     extra_tags: dict[str, str] | None = None,
     run_name_suffix: str = "",
+    reuse_finished: bool = True,
 ) -> TrackedRun:
     lineage = build_lineage_record(
         seed=config.seed,
@@ -67,6 +93,9 @@ def run_tracked_training(
         dagster_run_id=dagster_run_id,
         partition_keys=inputs.partition_keys,
     )
+    if reuse_finished and (earlier := find_reusable_run(tracking, lineage)) is not None:
+        log.info("inputs, config and code unchanged since MLflow run %s: reusing it", earlier.mlflow_run_id)
+        return earlier
     name = ray_run_name(inputs, config, run_name_suffix)
     run_id = tracking.start_run(name, tags={"method": config.method, **(extra_tags or {})})
     try:
@@ -83,6 +112,7 @@ def run_tracked_training(
         tracking.log_training(
             run_id, lineage=lineage, config=config.model_dump(mode="json"), result=result, dataset_path=inputs.dataset_path
         )
+        tracking.client.set_tag(run_id, "model_dir", result.model_dir)
     except BaseException:
         tracking.end_run(run_id, status="FAILED")
         raise

@@ -71,3 +71,45 @@ class MlflowTracking:
 
     def run_url(self, run_id: str, ui_base: str = "http://127.0.0.1:5000") -> str:
         return f"{ui_base}/#/experiments/{self.experiment_id}/runs/{run_id}"
+
+
+class ModelRegistry:
+    """The MLflow model registry entries Tessera promotes: one registered model, one alias."""
+
+    def __init__(self, tracking: MlflowTracking, name: str = "tessera-adapter", alias: str = "champion"):
+        self.client, self.name, self.alias = tracking.client, name, alias
+
+    def champion(self):
+        """The model version the alias points at, or None before the first promotion."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self.client.get_model_version_by_alias(self.name, self.alias)
+        except MlflowException:
+            return None
+
+    def download_champion(self, destination: Path) -> tuple[str, str, str] | None:
+        """(run_id, base_model, local model dir) of the champion, or None."""
+        version = self.champion()
+        if version is None:
+            return None
+        run = self.client.get_run(version.run_id)
+        local = self.client.download_artifacts(version.run_id, "model", str(destination))
+        return version.run_id, run.data.params["base_model"], local
+
+    def promote(self, run_id: str) -> tuple[str, bool]:
+        """Register the run's model and move the alias to it. Returns (version, changed); promoting
+        the current champion again changes nothing."""
+        from mlflow.exceptions import MlflowException
+
+        current = self.champion()
+        if current is not None and current.run_id == run_id:
+            return str(current.version), False
+        try:
+            self.client.get_registered_model(self.name)
+        except MlflowException:
+            self.client.create_registered_model(self.name)
+        run = self.client.get_run(run_id)
+        version = self.client.create_model_version(self.name, f"{run.info.artifact_uri}/model", run_id=run_id)
+        self.client.set_registered_model_alias(self.name, self.alias, version.version)
+        return str(version.version), True

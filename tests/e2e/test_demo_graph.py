@@ -100,6 +100,53 @@ def test_state_stays_under_tessera_home(demo_run):
     assert {p.name for p in home.iterdir()} >= {"mlflow.db", "mlartifacts", "datasets", "cache", "ray", "models"}
 
 
+def _rematerialize(home: Path, run_config: dict | None = None):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TESSERA_HOME", str(home))
+    try:
+        return dg.materialize(ASSETS, partition_key=DEMO_PARTITION, resources=local_resources(),
+                              instance=dg.DagsterInstance.ephemeral(), run_config=run_config, raise_on_error=False)
+    finally:
+        mp.undo()
+
+
+def _training_runs(home: Path) -> list:
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    return client.search_runs([client.get_experiment_by_name("tessera").experiment_id])
+
+
+def test_no_change_rerun_reuses_training_and_keeps_the_champion(demo_run):
+    home, first = demo_run
+    runs_before = len(_training_runs(home))
+    again = _rematerialize(home)
+    assert again.success
+    assert again.output_for_node("training_dataset").digest == first.output_for_node("training_dataset").digest
+    training = _materialization(again, "lora_adapter")
+    assert training.metadata["reused_earlier_run"].value is True
+    assert again.output_for_node("lora_adapter").mlflow_run_id == first.output_for_node("lora_adapter").mlflow_run_id
+    assert len(_training_runs(home)) == runs_before
+    assert _materialization(again, "promoted_model").metadata["alias_moved"].value is False
+
+
+def test_failing_check_blocks_promotion_and_keeps_the_champion(demo_run):
+    home, first = demo_run
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    champion_before = client.get_model_version_by_alias(REGISTERED_MODEL, CHAMPION_ALIAS)
+    weak = _rematerialize(home, {"ops": {"lora_adapter": {"config": {"max_steps": 2, "learning_rate": 1e-6}}}})
+    checks = {e.check_name: e.passed for e in weak.get_asset_check_evaluations()}
+    assert checks["not_worse_than_champion"] is False
+    assert "promoted_model" not in {e.asset_key.path[-1] for e in weak.get_asset_materialization_events()}
+    champion_after = client.get_model_version_by_alias(REGISTERED_MODEL, CHAMPION_ALIAS)
+    assert champion_after.version == champion_before.version
+    assert champion_after.run_id == first.output_for_node("lora_adapter").mlflow_run_id
+
+
+def test_dataset_checks_pass_on_the_demo_dataset(demo_run):
+    _, result = demo_run
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations() if e.asset_key.path[-1] == "training_dataset"}
+    assert checks == {name: True for name in ("schema", "no_empty_rows", "no_duplicate_rows", "token_lengths", "no_eval_leakage")}
+
+
 def _reproduce(home: Path, run_id: str) -> tuple[int, str]:
     from io import StringIO
 

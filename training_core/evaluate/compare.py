@@ -1,4 +1,4 @@
-"""Evaluate base vs trained model on a dataset's held-out split."""
+"""Evaluate base vs trained (vs champion) models on a dataset's held-out split."""
 
 from __future__ import annotations
 
@@ -14,17 +14,23 @@ class EvaluationReport:
     trained: EvalMetrics
     trained_model_dir: str
     mlflow_run_id: str
+    champion: EvalMetrics | None = None
 
     @property
     def loss_ratio(self) -> float:
         return self.trained.loss / self.base.loss
 
     def as_metrics(self) -> dict[str, float]:
-        return {**self.base.as_dict("eval_base_"), **self.trained.as_dict("eval_"), "eval_loss_ratio": self.loss_ratio}
+        champion = self.champion.as_dict("eval_champion_") if self.champion else {}
+        return {**self.base.as_dict("eval_base_"), **self.trained.as_dict("eval_"), **champion,
+                "eval_loss_ratio": self.loss_ratio}
+
+
+def evaluate_trained(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]]) -> EvalMetrics:
+    return evaluate(load_model_for_eval(base_model_path, trained_model_dir), load_tokenizer(base_model_path), records)
 
 
 def evaluate_against_base(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]]) -> tuple[EvalMetrics, EvalMetrics]:
     tokenizer = load_tokenizer(base_model_path)
     base = evaluate(load_model_for_eval(base_model_path), tokenizer, records)
-    trained = evaluate(load_model_for_eval(base_model_path, trained_model_dir), tokenizer, records)
-    return base, trained
+    return base, evaluate_trained(base_model_path, trained_model_dir, records)

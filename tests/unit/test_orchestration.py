@@ -1,0 +1,38 @@
+"""Schedules, jobs and code-location wiring (no runs)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import dagster as dg
+
+from pipelines.definitions import defs
+
+
+def test_daily_schedule_requests_yesterdays_partition():
+    schedule = defs.resolve_schedule_def("daily_retrain")
+    context = dg.build_schedule_context(scheduled_execution_time=datetime(2026, 11, 3, 2, 0, tzinfo=timezone.utc))
+    requests = schedule.evaluate_tick(context).run_requests
+    assert [r.partition_key for r in requests] == ["2026-11-02"]
+    assert schedule.job_name == "train_and_promote"
+
+
+def test_training_is_limited_by_a_concurrency_pool():
+    graph = defs.resolve_asset_graph()
+    assert graph.get(dg.AssetKey("lora_adapter")).pools == {"training"}
+
+
+def test_every_asset_has_a_description_and_data_assets_are_daily_partitioned():
+    graph = defs.resolve_asset_graph()
+    for key in graph.get_all_asset_keys():
+        node = graph.get(key)
+        assert node.description, f"{key.to_user_string()} has no description"
+        if key.path[-1] != "base_model":
+            assert node.partitions_def is not None, key
+
+
+def test_blocking_checks_guard_dataset_and_promotion():
+    graph = defs.resolve_asset_graph()
+    blocking = {(k.asset_key.path[-1], k.name) for k in graph.asset_check_keys if graph.get_check_spec(k).blocking}
+    assert {("training_dataset", "no_eval_leakage"), ("evaluation", "beats_base_model"),
+            ("evaluation", "not_worse_than_champion")} <= blocking
