@@ -5,11 +5,11 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from assets.partitions import DAILY
+from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
 from assets.training_assets import TrainedModel
 from resources import MlflowTracker
 from training_core.base_model import BaseModelRef
-from training_core.data.dataset_writer import PublishedDataset, read_eval_records
+from training_core.data.window import DatasetWindow
 from training_core.evaluate.compare import EvaluationReport, evaluate_against_base, evaluate_trained
 from training_core.tracking import ModelRegistry
 
@@ -24,6 +24,7 @@ CHAMPION_TOLERANCE = 0.05
 @dg.asset(
     partitions_def=DAILY,
     group_name="evaluation",
+    ins={"training_dataset": dg.AssetIn(partition_mapping=TRAINING_WINDOW)},
     check_specs=[
         dg.AssetCheckSpec("beats_base_model", asset="evaluation", blocking=True,
                           description="the trained model's held-out loss is below the base model's"),
@@ -34,18 +35,19 @@ CHAMPION_TOLERANCE = 0.05
 def evaluation(
     context: dg.AssetExecutionContext,
     mlflow_tracker: MlflowTracker,
-    training_dataset: PublishedDataset,
+    training_dataset,
     base_model: BaseModelRef,
     lora_adapter: TrainedModel,
 ):
-    """Eval loss, perplexity and exact-match on the dataset's held-out prompts: base vs trained vs
+    """Eval loss, perplexity and exact-match on the training window's held-out prompts: base vs trained vs
     champion. Blocking checks stop promotion when training did not help."""
-    if lora_adapter.dataset_digest != training_dataset.digest:
+    window = DatasetWindow.from_partitions(by_partition(training_dataset, context, "training_dataset"))
+    if lora_adapter.dataset_digest != window.digest:
         raise ValueError(
-            f"lora_adapter was trained on dataset {lora_adapter.dataset_digest[:12]} but evaluation got "
-            f"{training_dataset.digest[:12]}; rematerialize lora_adapter for partition {context.partition_key}"
+            f"lora_adapter was trained on datasets {lora_adapter.dataset_digest[:12]} but evaluation got "
+            f"{window.digest[:12]}; rematerialize lora_adapter for partition {context.partition_key}"
         )
-    records = read_eval_records(training_dataset.path)
+    records = window.eval_records()
     base, trained = evaluate_against_base(base_model.name_or_path, lora_adapter.model_dir, records)
     tracking = mlflow_tracker.client()
     with tempfile.TemporaryDirectory() as tmp:

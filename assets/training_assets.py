@@ -9,11 +9,11 @@ from dagster_ray import RayResource
 from pydantic import Field
 
 from assets.cache_assets import WarmCache
-from assets.partitions import DAILY
+from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
 from resources import MlflowTracker, RowGroupCache, TesseraStorage
 from resources.ray_cluster import gpu_available_in_cluster
 from training_core.base_model import BaseModelRef
-from training_core.data.dataset_writer import PublishedDataset
+from training_core.data.window import DatasetWindow, window_digest
 from training_core.runs import TrainingInputs, run_tracked_training
 from training_core.train.config import parse_training_config
 
@@ -61,8 +61,14 @@ class TrainingRunConfig(dg.Config):
         return parse_training_config({**values, "lora": lora})
 
 
-@dg.asset(partitions_def=DAILY, group_name="training", kinds={"ray", "deepspeed"},
-          pool="training")
+@dg.asset(
+    partitions_def=DAILY,
+    group_name="training",
+    kinds={"ray", "deepspeed"},
+    pool="training",
+    ins={"training_dataset": dg.AssetIn(partition_mapping=TRAINING_WINDOW),
+         "row_group_cache": dg.AssetIn(partition_mapping=TRAINING_WINDOW)},
+)
 def lora_adapter(
     context: dg.AssetExecutionContext,
     config: TrainingRunConfig,
@@ -70,24 +76,28 @@ def lora_adapter(
     storage: TesseraStorage,
     mlflow_tracker: MlflowTracker,
     cache: RowGroupCache,
-    training_dataset: PublishedDataset,
-    row_group_cache: WarmCache,
+    training_dataset,
+    row_group_cache,
     base_model: BaseModelRef,
 ):
-    """Fine-tunes the base model on the day's dataset (batches from the warmed row-group cache).
+    """Fine-tunes the base model on the datasets of the training window (TRAINING_WINDOW_DAYS days
+    ending at this partition), reading batches through the warmed row-group cache.
     When dataset, base model, config and code are unchanged since a finished run, that run is reused."""
     training_config = config.training_config()
     training_config.check_hardware(gpu_available_in_cluster())
     tracker = mlflow_tracker.client()
+    window = DatasetWindow.from_partitions(by_partition(training_dataset, context, "training_dataset"))
+    caches: dict[str, WarmCache] = by_partition(row_group_cache, context, "row_group_cache")
+    context.log.info("training window: partitions %s", ", ".join(window.partition_keys))
     inputs = TrainingInputs(
         base_model=base_model.name_or_path,
         base_model_digest=base_model.digest,
-        dataset_path=training_dataset.path,
-        dataset_digest=training_dataset.digest,
-        seq_len=training_dataset.seq_len,
-        cache_directory=row_group_cache.directory,
-        cache_version=row_group_cache.cache_version,
-        partition_keys=[context.partition_key],
+        dataset_paths=window.paths,
+        dataset_digest=window.digest,
+        seq_len=window.seq_len,
+        cache_directory=caches[window.partition_keys[-1]].directory,
+        cache_version=window_digest([caches[k].cache_version for k in window.partition_keys]),
+        partition_keys=window.partition_keys,
     )
     tracked = run_tracked_training(
         training_config, inputs, tracker, ray_storage=storage.ray_storage, models_dir=storage.folder("models") / "trained",
@@ -99,10 +109,11 @@ def lora_adapter(
     lookups = telemetry.get("loader_cache_hits", 0) + telemetry.get("loader_cache_misses", 0)
     return dg.Output(
         TrainedModel(result.model_dir, training_config.method, tracked.mlflow_run_id, base_model.name_or_path,
-                     training_dataset.digest, losses[-1]),
+                     window.digest, losses[-1]),
         metadata={
             "mlflow_run": dg.MetadataValue.url(tracker.run_url(tracked.mlflow_run_id, mlflow_tracker.ui_url)),
             "mlflow_run_id": tracked.mlflow_run_id,
+            "training_partitions": ", ".join(window.partition_keys),
             "model_dir": dg.MetadataValue.path(result.model_dir),
             "steps": result.steps,
             "restarts": result.restarts,
@@ -114,6 +125,8 @@ def lora_adapter(
             "cache_hit_rate": telemetry.get("loader_cache_hits", 0) / lookups if lookups else 0.0,
             "mfu": telemetry.get("mfu", 0.0),
             "peak_memory_mb": telemetry.get("peak_memory_mb", 0.0),
+            **{f"step_time_{phase}_s": telemetry.get(f"{phase}_s", 0.0)
+               for phase in ("data_wait", "forward", "backward", "optimizer")},
             "achieved_flops_per_s": telemetry.get("achieved_flops_per_s", 0.0),
             "loss_curve": dg.MetadataValue.md(_sparkline_table(result.loss_history)),
         },

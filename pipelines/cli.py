@@ -4,13 +4,14 @@
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from pipelines.instance import prepare_home
+from pipelines.instance import PID_TAG, fail_abandoned_runs, prepare_home
 
 console = Console()
 
@@ -24,9 +25,13 @@ def demo(args: argparse.Namespace) -> int:
 
     console.rule(f"[bold]Tessera demo[/] — partition {DEMO_PARTITION}, state in {root}")
     job = defs.resolve_job_def("train_and_promote")
+    instance = dg.DagsterInstance.get()
+    for run_id in fail_abandoned_runs(instance):
+        console.print(f"run {run_id} was abandoned by a killed process: marked failed, its pool slot freed")
     with console.status("materializing raw_examples → … → promoted_model (Dagster logs below)"):
         result = job.execute_in_process(
-            partition_key=DEMO_PARTITION, instance=dg.DagsterInstance.get(), raise_on_error=False
+            partition_key=DEMO_PARTITION, instance=instance, raise_on_error=False,
+            tags={PID_TAG: str(os.getpid())},
         )
     if not result.success:
         console.print("[red]demo failed[/]; see the Dagster log above")

@@ -7,6 +7,11 @@ from pathlib import Path
 INSTANCE_SETTINGS = """\
 telemetry:
   enabled: false
+nux:
+  enabled: false
+run_monitoring:
+  # dagster dev's daemon fails runs whose process died, which frees their pool slots.
+  enabled: true
 concurrency:
   pools:
     # Only lora_adapter uses a pool ("training"): at most this many trainings at once.
@@ -27,6 +32,28 @@ def prepare_home(home: str | None = None) -> Path:
     os.environ["TESSERA_HOME"] = str(root)
     os.environ["DAGSTER_HOME"] = str(dagster_home)
     return root
+
+
+PID_TAG = "tessera/launcher_pid"
+
+
+def fail_abandoned_runs(instance) -> list[str]:
+    """Runs started by a `tessera` process that no longer exists (killed mid-training) still hold
+    their concurrency-pool slot; mark them failed and free the slot so a relaunch can proceed.
+    (Under `dagster dev` the daemon's run monitoring does this.)"""
+    import dagster as dg
+    import psutil
+
+    abandoned = []
+    in_flight = dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING])
+    for run in instance.get_runs(filters=in_flight):
+        pid = run.tags.get(PID_TAG)
+        if pid is None or psutil.pid_exists(int(pid)):
+            continue
+        instance.report_run_failed(run, f"launcher process {pid} is gone; marked failed by tessera")
+        instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+        abandoned.append(run.run_id)
+    return abandoned
 
 
 if __name__ == "__main__":

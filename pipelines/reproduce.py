@@ -30,7 +30,7 @@ def reproduce_run(run_id: str, console: Console) -> int:
         models_dir=storage.folder("models") / "trained", extra_tags={"reproduces": run_id},
         run_name_suffix=f"reproduce-{uuid.uuid4().hex[:8]}", reuse_finished=False,
     )
-    dataset_records = read_eval_records(recorded.inputs.dataset_path)
+    dataset_records = [r for path in recorded.inputs.dataset_paths for r in read_eval_records(path)]
     base, trained = evaluate_against_base(recorded.inputs.base_model, tracked.result.model_dir, dataset_records)
     tracking.log_metrics(tracked.mlflow_run_id, {**base.as_dict("eval_base_"), **trained.as_dict("eval_")})
     rows = compare_runs(tracking, run_id, tracked.mlflow_run_id)

@@ -9,6 +9,8 @@ from training_core.tracking import MlflowTracking
 
 
 class MlflowTracker(dg.ConfigurableResource):
+    """MLflow tracking and registry for training runs (SQLite under $TESSERA_HOME unless a URI is set)."""
+
     storage: dg.ResourceDependency[TesseraStorage]
     tracking_uri: str | None = Field(
         None, description="MLflow tracking URI; default sqlite:///<home>/mlflow.db. Credentials only via EnvVar."

@@ -11,6 +11,8 @@ from training_core.data import CacheConfig
 
 
 class RowGroupCache(dg.ConfigurableResource):
+    """Local disk cache of decoded row groups shared by cache warming and the training loader."""
+
     storage: dg.ResourceDependency[TesseraStorage]
     size_limit_bytes: int = Field(2 << 30, gt=0, description="quota for decoded row groups on local disk")
     policy: Literal["evict", "stop_admitting"] = Field(

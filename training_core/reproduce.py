@@ -8,6 +8,7 @@ from pathlib import Path
 
 from training_core.data import cache_version
 from training_core.data.batch_columns import TRAINING_COLUMNS
+from training_core.data.window import window_digest
 from training_core.errors import LineageError
 from training_core.runs import TrainingInputs
 from training_core.storage import directory_digest
@@ -33,22 +34,26 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
     except Exception as error:  # MlflowException: RESOURCE_DOES_NOT_EXIST
         raise LineageError(f"MLflow run {run_id} not found at {tracking.tracking_uri}") from error
     params = run.data.params
-    missing = [k for k in ("dataset_path", "dataset_digest", "base_model", "base_model_digest", "cache_version") if k not in params]
+    missing = [k for k in ("dataset_paths", "dataset_digest", "base_model", "base_model_digest", "cache_version") if k not in params]
     if missing:
         raise LineageError(f"run {run_id} lacks lineage params {missing}; it was not recorded by Tessera")
     config = parse_training_config(json.loads(Path(client.download_artifacts(run_id, "training_config.json")).read_text()))
     if config.digest() != params.get("config_digest"):
         raise LineageError(f"run {run_id}: training_config.json does not match its recorded config_digest")
 
-    dataset = Path(params["dataset_path"])
-    if not dataset.is_dir():
-        raise LineageError(f"run {run_id}: dataset {dataset} is gone; rematerialize training_dataset for "
-                           f"partition(s) {params.get('partition_keys')}")
-    actual = directory_digest(dataset)
-    if actual != params["dataset_digest"]:
-        raise LineageError(f"run {run_id}: dataset {dataset} has digest {actual[:16]}, recorded "
-                           f"{params['dataset_digest'][:16]}; its content changed")
-    if cache_version(params["dataset_digest"], TRAINING_COLUMNS, TRANSFORM_VERSION) != params["cache_version"]:
+    datasets = [Path(p) for p in params["dataset_paths"].split(",")]
+    digests = []
+    for dataset in datasets:
+        if not dataset.is_dir():
+            raise LineageError(f"run {run_id}: dataset {dataset} is gone; rematerialize training_dataset for "
+                               f"partition(s) {params.get('partition_keys')}")
+        digests.append(directory_digest(dataset))
+    if window_digest(digests) != params["dataset_digest"]:
+        changed = [str(d) for d, digest in zip(datasets, digests) if not d.name.startswith(digest[:16])]
+        raise LineageError(f"run {run_id}: dataset {', '.join(changed) or datasets} no longer matches the "
+                           f"recorded digest {params['dataset_digest'][:16]}; its content changed")
+    rebuilt_cache = window_digest([cache_version(d, TRAINING_COLUMNS, TRANSFORM_VERSION) for d in digests])
+    if rebuilt_cache != params["cache_version"]:
         raise LineageError(f"run {run_id}: cache version {params['cache_version']} cannot be rebuilt by this code")
     base = Path(params["base_model"])
     if not params["base_model_digest"].startswith("hub:"):
@@ -56,11 +61,11 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
             raise LineageError(f"run {run_id}: base model {base} is gone")
         if directory_digest(base) != params["base_model_digest"]:
             raise LineageError(f"run {run_id}: base model {base} no longer matches its recorded digest")
-    manifest = json.loads((dataset / "manifest.json").read_text())
+    manifest = json.loads((datasets[0] / "manifest.json").read_text())
     inputs = TrainingInputs(
         base_model=params["base_model"],
         base_model_digest=params["base_model_digest"],
-        dataset_path=str(dataset),
+        dataset_paths=[str(d) for d in datasets],
         dataset_digest=params["dataset_digest"],
         seq_len=int(manifest["spec"]["seq_len"]),
         cache_directory=cache_directory,

@@ -22,8 +22,8 @@ class TrainingInputs:
 
     base_model: str
     base_model_digest: str
-    dataset_path: str
-    dataset_digest: str
+    dataset_paths: list[str]  # published datasets of the training window, oldest first
+    dataset_digest: str  # window_digest of their digests
     seq_len: int
     cache_directory: str | None
     cache_version: str
@@ -85,7 +85,7 @@ def run_tracked_training(
         seed=config.seed,
         data_seed=config.data_seed,
         dataset_digest=inputs.dataset_digest,
-        dataset_path=inputs.dataset_path,
+        dataset_paths=inputs.dataset_paths,
         cache_version=inputs.cache_version,
         base_model=inputs.base_model,
         base_model_digest=inputs.base_model_digest,
@@ -102,7 +102,7 @@ def run_tracked_training(
         result = run_training(
             config,
             model_path=inputs.base_model,
-            train_dir=str(Path(inputs.dataset_path) / "train"),
+            train_dirs=[str(Path(p) / "train") for p in inputs.dataset_paths],
             seq_len=inputs.seq_len,
             cache_dir=inputs.cache_directory,
             storage_path=Path(ray_storage),
@@ -110,7 +110,7 @@ def run_tracked_training(
             output_dir=models_dir,
         )
         tracking.log_training(
-            run_id, lineage=lineage, config=config.model_dump(mode="json"), result=result, dataset_path=inputs.dataset_path
+            run_id, lineage=lineage, config=config.model_dump(mode="json"), result=result, dataset_paths=inputs.dataset_paths
         )
         tracking.client.set_tag(run_id, "model_dir", result.model_dir)
     except BaseException:

@@ -32,7 +32,7 @@ class MlflowTracking:
     def start_run(self, run_name: str, tags: dict[str, str]) -> str:
         return self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
 
-    def log_training(self, run_id: str, *, lineage: dict[str, str], config: dict, result, dataset_path: str) -> None:
+    def log_training(self, run_id: str, *, lineage: dict[str, str], config: dict, result, dataset_paths: list[str]) -> None:
         client = self.client
         for key, value in lineage.items():
             client.log_param(run_id, key, value)
@@ -41,7 +41,8 @@ class MlflowTracking:
         numeric = {k: float(v) for k, v in result.telemetry.items() if isinstance(v, (int, float))}
         for key, value in {**numeric, "restarts": result.restarts, "steps": result.steps}.items():
             client.log_metric(run_id, key, float(value))
-        self._log_dataset_input(run_id, dataset_path, lineage["dataset_digest"])
+        for path in dataset_paths:
+            self._log_dataset_input(run_id, path, Path(path).name)
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
             (folder / "training_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -26,14 +26,21 @@ LINEAGE_KEYS = {
 @pytest.fixture(scope="module")
 def demo_run(ray_session, tmp_path_factory):
     home = tmp_path_factory.mktemp("tessera-home")
+    return home, _materialize(home)
+
+
+def _materialize(home: Path, run_config: dict | None = None, partition_key: str = DEMO_PARTITION,
+                 selection: list[str] | None = None):
+    """One persistent Dagster instance per home, so later runs load earlier outputs (like the UI)."""
+    (home / "dagster").mkdir(parents=True, exist_ok=True)
     mp = pytest.MonkeyPatch()
     mp.setenv("TESSERA_HOME", str(home))
     try:
-        result = dg.materialize(ASSETS, partition_key=DEMO_PARTITION, resources=local_resources(),
-                                instance=dg.DagsterInstance.ephemeral())
+        return dg.materialize(ASSETS, partition_key=partition_key, resources=local_resources(),
+                              instance=dg.DagsterInstance.local_temp(str(home / "dagster")), run_config=run_config,
+                              selection=selection, raise_on_error=False)
     finally:
         mp.undo()
-    return home, result
 
 
 def _materialization(result, key: str):
@@ -68,7 +75,8 @@ def test_training_run_records_the_full_lineage_in_mlflow(demo_run):
     assert params["base_model_digest"] == base.digest
     assert params["partition_keys"] == DEMO_PARTITION
     assert params["dagster_run_id"] == result.run_id
-    assert [d.dataset.digest for d in run.inputs.dataset_inputs] == [dataset.digest[:36]]
+    assert params["dataset_paths"] == dataset.path
+    assert [d.dataset.digest for d in run.inputs.dataset_inputs] == [dataset.digest[:16]]
     history = client.get_metric_history(run.info.run_id, "train_loss")
     assert len(history) == int(run.data.metrics["steps"]) and history[-1].value < history[0].value
     assert run.data.metrics["eval_exact_match"] >= 0.5
@@ -100,16 +108,6 @@ def test_state_stays_under_tessera_home(demo_run):
     assert {p.name for p in home.iterdir()} >= {"mlflow.db", "mlartifacts", "datasets", "cache", "ray", "models"}
 
 
-def _rematerialize(home: Path, run_config: dict | None = None):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TESSERA_HOME", str(home))
-    try:
-        return dg.materialize(ASSETS, partition_key=DEMO_PARTITION, resources=local_resources(),
-                              instance=dg.DagsterInstance.ephemeral(), run_config=run_config, raise_on_error=False)
-    finally:
-        mp.undo()
-
-
 def _training_runs(home: Path) -> list:
     client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
     return client.search_runs([client.get_experiment_by_name("tessera").experiment_id])
@@ -118,7 +116,7 @@ def _training_runs(home: Path) -> list:
 def test_no_change_rerun_reuses_training_and_keeps_the_champion(demo_run):
     home, first = demo_run
     runs_before = len(_training_runs(home))
-    again = _rematerialize(home)
+    again = _materialize(home)
     assert again.success
     assert again.output_for_node("training_dataset").digest == first.output_for_node("training_dataset").digest
     training = _materialization(again, "lora_adapter")
@@ -132,13 +130,29 @@ def test_failing_check_blocks_promotion_and_keeps_the_champion(demo_run):
     home, first = demo_run
     client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
     champion_before = client.get_model_version_by_alias(REGISTERED_MODEL, CHAMPION_ALIAS)
-    weak = _rematerialize(home, {"ops": {"lora_adapter": {"config": {"max_steps": 2, "learning_rate": 1e-6}}}})
+    weak = _materialize(home, {"ops": {"lora_adapter": {"config": {"max_steps": 2, "learning_rate": 1e-6}}}})
     checks = {e.check_name: e.passed for e in weak.get_asset_check_evaluations()}
     assert checks["not_worse_than_champion"] is False
     assert "promoted_model" not in {e.asset_key.path[-1] for e in weak.get_asset_materialization_events()}
     champion_after = client.get_model_version_by_alias(REGISTERED_MODEL, CHAMPION_ALIAS)
     assert champion_after.version == champion_before.version
     assert champion_after.run_id == first.output_for_node("lora_adapter").mlflow_run_id
+
+
+def test_training_window_spans_the_last_two_days(demo_run):
+    # After the champion tests: this trains a model for the next day but does not evaluate or promote it.
+    home, first = demo_run
+    next_day = "2026-11-02"
+    data = _materialize(home, partition_key=next_day, selection=["raw_examples", "training_dataset", "row_group_cache"])
+    assert data.success
+    trained = _materialize(home, partition_key=next_day, selection=["lora_adapter"],
+                           run_config={"ops": {"lora_adapter": {"config": {"max_steps": 20}}}})
+    assert trained.success
+    run = MlflowClient(f"sqlite:///{home / 'mlflow.db'}").get_run(trained.output_for_node("lora_adapter").mlflow_run_id)
+    assert run.data.params["partition_keys"] == f"{DEMO_PARTITION},{next_day}"
+    paths = run.data.params["dataset_paths"].split(",")
+    assert paths[0] == first.output_for_node("training_dataset").path
+    assert paths[1] == data.output_for_node("training_dataset").path
 
 
 def test_dataset_checks_pass_on_the_demo_dataset(demo_run):

@@ -12,7 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from training_core.data import CacheConfig, CacheWarmReport, RowGroupReader, cache_version, warm_cache
-from training_core.data.cache import CorruptEntryError, RowGroupCache, decode_payload, encode_payload
+from training_core.data.cache import (
+    CorruptEntryError,
+    RowGroupCache,
+    decode_payload,
+    decode_payload_views,
+    encode_payload,
+)
 
 from .conftest import write_ids_dataset
 
@@ -45,6 +51,19 @@ def test_payload_round_trip_keeps_values_dtypes_and_shapes():
     assert list(decoded["mixed"]) == [None, "x", 1]
 
 
+def test_integers_are_stored_narrow_and_read_back_in_their_logical_dtype():
+    tokens = np.random.default_rng(0).integers(0, 32_000, (500, 64), dtype=np.int32)
+    columns = {"tokens": tokens, "neg": np.array([-3, 100], dtype=np.int64), "big": np.array([0, 2**40])}
+    payload = encode_payload(columns)
+    assert len(payload) < tokens.nbytes * 0.55  # 2 bytes per token instead of 4
+    views, logical = decode_payload_views(payload)
+    assert views["tokens"].dtype == np.uint16 and logical["tokens"] == np.int32
+    assert views["neg"].dtype == np.int8 and views["big"].dtype == np.int64
+    decoded = decode_payload(payload)
+    assert decoded["tokens"].dtype == np.int32 and np.array_equal(decoded["tokens"], tokens)
+    assert decoded["neg"].tolist() == [-3, 100] and decoded["big"].tolist() == [0, 2**40]
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "magic"])
 def test_damaged_payload_is_detected(damage):
     payload = bytearray(encode_payload(sample_columns()))
@@ -74,7 +93,10 @@ def test_rewritten_file_never_serves_stale_rows(tmp_path):
 
 
 def entry(seed: int, rows: int = 1000) -> dict[str, np.ndarray]:
-    return {"x": np.full((rows, 25), seed, dtype=np.int32)}  # ~100 kB, stored as a file
+    """~100 kB, stored as a file; the int32 extremes keep it from being narrowed."""
+    values = np.full((rows, 25), seed, dtype=np.int32)
+    values[:, 1], values[:, 2] = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    return {"x": values}
 
 
 def test_evict_policy_stays_under_quota_and_keeps_newest(tmp_path):
@@ -83,7 +105,7 @@ def test_evict_policy_stays_under_quota_and_keeps_newest(tmp_path):
         assert cache.put(f"k{i}", entry(i))
         assert cache.volume() <= 1_000_000
     assert cache.counters.evictions > 0
-    assert cache.get("k29", "k29")["x"][0, 0] == 29
+    assert cache.get("k29", "k29")[0]["x"][0, 0] == 29
     assert cache.get("k0", "k0") is None
     cache.close()
 
@@ -94,7 +116,7 @@ def test_stop_admitting_policy_keeps_first_entries(tmp_path):
     assert stored[0] and not stored[-1]
     assert cache.counters.evictions == 0 and cache.counters.rejected == stored.count(False)
     assert cache.volume() <= 1_000_000
-    assert cache.get("k0", "k0")["x"][0, 0] == 0
+    assert cache.get("k0", "k0")[0]["x"][0, 0] == 0
     cache.close()
 
 
@@ -112,7 +134,7 @@ def _writer(directory: str, policy: str, start: int, result) -> None:
         cache.put(f"k{i}", entry(i))
         peak = max(peak, cache.volume())
         other = cache.get(f"k{(i + 1000) % 2000}", "peer")  # read what the peer process may be writing
-        if other is not None and not np.all(other["x"] == other["x"][0, 0]):
+        if other is not None and not np.all(other[0]["x"][:, 0] == other[0]["x"][0, 0]):
             torn += 1
     result.put((peak, torn, cache.counters.corruptions))
     cache.close()

@@ -2,7 +2,10 @@
 
 Entry = one decoded row group as raw contiguous NumPy buffers behind a small JSON header, with a
 CRC-32 over everything after the checksum field; reading it back is ``np.frombuffer`` views, no
-unpickling. Key = (payload format, file path + size + mtime, row group, columns, transform version),
+unpickling. Integer columns are stored in the narrowest integer type that holds their values
+(lossless; token ids of a vocabulary < 65 536 take 2 bytes instead of 4), which halves the bytes
+written, checksummed and read; the header keeps the logical dtype, restored when rows are copied
+into the shuffle window. Key = (payload format, file path + size + mtime, row group, columns, transform version),
 so a rewritten file never serves stale rows. The quota is enforced per shard inside a SQLite
 ``BEGIN IMMEDIATE`` transaction (check volume → evict or refuse → insert), which is atomic across
 processes sharing the directory; diskcache's own culling is switched off (``cull_limit=0``).
@@ -96,7 +99,9 @@ def encode_chunks(arrays: dict[str, np.ndarray]) -> list:
     for name, array in arrays.items():
         meta: dict[str, Any] = {"name": name, "rows": len(array)}
         if array.dtype != object:
-            meta.update(kind="dense", dtype=array.dtype.str, shape=list(array.shape), data=add(array))
+            stored = _narrowed(array)
+            meta.update(kind="dense", dtype=stored.dtype.str, logical=array.dtype.str, shape=list(array.shape),
+                        data=add(stored))
         elif all(type(item) is str for item in array):
             encoded = [item.encode("utf-8") for item in array]
             offsets = np.concatenate([[0], np.cumsum([len(b) for b in encoded], dtype=np.int64)])
@@ -119,6 +124,21 @@ def encode_chunks(arrays: dict[str, np.ndarray]) -> list:
     return [_PREFIX.pack(MAGIC, crc, len(header)), header, padding, *buffers]
 
 
+_NARROW_TYPES = [np.dtype(t) for t in (np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32)]
+
+
+def _narrowed(array: np.ndarray) -> np.ndarray:
+    """The same integers in the smallest dtype that holds them (unchanged if nothing is smaller)."""
+    if array.dtype.kind not in "iu" or array.dtype.itemsize == 1 or array.size == 0:
+        return array
+    low, high = int(array.min()), int(array.max())
+    for candidate in _NARROW_TYPES:
+        info = np.iinfo(candidate)
+        if candidate.itemsize < array.dtype.itemsize and info.min <= low and high <= info.max:
+            return array.astype(candidate)
+    return array
+
+
 def _is_ragged_numeric(array: np.ndarray) -> bool:
     if not len(array):
         return False
@@ -130,7 +150,14 @@ def _is_ragged_numeric(array: np.ndarray) -> bool:
 
 
 def decode_payload(payload: bytes) -> dict[str, np.ndarray]:
-    """Inverse of :func:`encode_payload`; dense columns are read-only views into ``payload``."""
+    """Inverse of :func:`encode_payload`, with every column in its logical dtype."""
+    views, logical = decode_payload_views(payload)
+    return {name: value.astype(logical[name]) if value.dtype != logical[name] else value
+            for name, value in views.items()}
+
+
+def decode_payload_views(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]]:
+    """Columns as stored (dense ones are read-only views into ``payload``) and their logical dtypes."""
     if len(payload) < _PREFIX.size:
         raise CorruptEntryError(f"entry of {len(payload)} bytes is shorter than its prefix")
     magic, crc, header_len = _PREFIX.unpack_from(payload)
@@ -146,10 +173,12 @@ def decode_payload(payload: bytes) -> dict[str, np.ndarray]:
         return np.frombuffer(payload, dtype=dtype, count=ref["nbytes"] // itemsize, offset=base + ref["offset"])
 
     out: dict[str, np.ndarray] = {}
+    logical: dict[str, np.dtype] = {}
     for meta in header["columns"]:
         kind, rows = meta["kind"], meta["rows"]
         if kind == "dense":
             out[meta["name"]] = view(meta["data"], meta["dtype"]).reshape(meta["shape"])
+            logical[meta["name"]] = np.dtype(meta["logical"])
             continue
         result = np.empty(rows, dtype=object)
         if kind == "pickle":
@@ -162,7 +191,8 @@ def decode_payload(payload: bytes) -> dict[str, np.ndarray]:
                 lo, hi = int(offsets[i]), int(offsets[i + 1])
                 result[i] = raw[lo:hi].decode("utf-8") if raw is not None else data[lo:hi]
         out[meta["name"]] = result
-    return out
+        logical[meta["name"]] = result.dtype
+    return out, logical
 
 
 def cache_key(file_identity: str, row_group: int, columns: Sequence[str], transform_version: str) -> str:
@@ -208,13 +238,14 @@ class RowGroupCache:
             for name, delta in deltas.items():
                 setattr(self.counters, name, getattr(self.counters, name) + delta)
 
-    def get(self, key: str, label: str) -> dict[str, np.ndarray] | None:
+    def get(self, key: str, label: str) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]] | None:
+        """``(columns as stored, logical dtypes)`` or None on a miss / corrupt entry."""
         payload = self._cache.get(key, default=None, retry=True)
         if payload is None:
             self._count(misses=1)
             return None
         try:
-            arrays = decode_payload(payload)
+            arrays = decode_payload_views(payload)
         except (CorruptEntryError, ValueError, KeyError, pickle.UnpicklingError) as error:
             logger.warning("cache entry for %s is corrupt (%s); dropping it and re-reading", label, error)
             self._cache.delete(key, retry=True)

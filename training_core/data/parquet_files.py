@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - imported up front: a lazy import (~0.3 s) would stall every decode thread
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -72,8 +73,8 @@ def _resolve_one(source: str | os.PathLike, filesystem: Any | None) -> tuple[paf
     if filesystem is not None:
         return as_arrow_filesystem(filesystem), text
     if "://" not in text:
-        # mmap: row-group reads map the page cache instead of copying into fresh buffers
-        return pafs.LocalFileSystem(use_mmap=True), os.path.abspath(text)
+        # no mmap: mapped pages would count in RSS and grow with the files read
+        return pafs.LocalFileSystem(), os.path.abspath(text)
     try:
         return pafs.FileSystem.from_uri(text)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):

@@ -158,7 +158,8 @@ def _produce(layout, schedule, loader, pool, stop, batches, timeout_s, in_flight
                     pieces = [task.wait(timeout_s, stop) for task in tasks]
                     in_flight -= len(tasks)
                     fill()
-                    held = (seg.window, assemble_window(pieces, order.wait(timeout_s, stop)))
+                    inverse = order.wait(timeout_s, stop)
+                    held = (seg.window, assemble_window([p[0] for p in pieces], inverse, [p[1] for p in pieces]))
                     current[seg.stream] = held
                 parts.append({name: column[seg.lo : seg.hi] for name, column in held[1].items()})
             out.append(finish_batch(parts))

@@ -151,7 +151,8 @@ class RowGroupLoader:
         self.transform_version, self.read_timeout_s, self.max_attempts = transform_version, read_timeout_s, max_attempts
         self._local = threading.local()
 
-    def load(self, ref: RowGroupRef) -> dict[str, np.ndarray]:
+    def load(self, ref: RowGroupRef) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]]:
+        """Columns of one row group (possibly narrowed, from the cache) and their logical dtypes."""
         key = cache_key(ref.file.identity, ref.index, self.index.columns, self.transform_version)
         if self.cache is not None:
             cached = self.cache.get(key, ref.describe())
@@ -171,7 +172,7 @@ class RowGroupLoader:
             arrays = self._apply_transform(ref, arrays)
         if self.cache is not None:
             self.cache.put(key, arrays)
-        return arrays
+        return arrays, {name: value.dtype for name, value in arrays.items()}
 
     def _apply_transform(self, ref: RowGroupRef, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
@@ -185,24 +186,25 @@ class RowGroupLoader:
             raise TransformError(f"{ref.describe()}: transform changed the row count ({bad}, expected {ref.num_rows})")
         return {name: np.asarray(value) for name, value in result.items()}
 
-    def load_piece(self, ref: RowGroupRef, start: int, stop: int) -> dict[str, np.ndarray]:
-        arrays = self.load(ref)
+    def load_piece(self, ref: RowGroupRef, start: int, stop: int) -> tuple[dict[str, np.ndarray], dict]:
+        arrays, dtypes = self.load(ref)
         if start == 0 and stop == ref.num_rows:
-            return arrays
-        return {name: value[start:stop] for name, value in arrays.items()}
+            return arrays, dtypes
+        return {name: value[start:stop] for name, value in arrays.items()}, dtypes
 
 
-def _column_template(pieces: Sequence[np.ndarray], rows: int) -> np.ndarray:
-    """Allocate the output for stacking ``pieces``: dense when they agree, else object."""
+def _column_template(pieces: Sequence[np.ndarray], dtypes: Sequence[np.dtype], rows: int) -> np.ndarray:
+    """Allocate the output for stacking ``pieces``: dense (logical dtype) when they agree, else object."""
     dense = all(p.dtype != object for p in pieces) and len({p.shape[1:] for p in pieces}) == 1
     if dense and pieces[0].ndim <= 2:
-        return np.empty((rows, *pieces[0].shape[1:]), dtype=np.result_type(*[p.dtype for p in pieces]))
+        return np.empty((rows, *pieces[0].shape[1:]), dtype=np.result_type(*dtypes))
     return np.empty(rows, dtype=object)
 
 
-def _as_rows(piece: np.ndarray, target: np.ndarray) -> np.ndarray:
+def _as_rows(piece: np.ndarray, dtype: np.dtype, target: np.ndarray) -> np.ndarray:
     if target.dtype != object or piece.dtype == object:
         return piece
+    piece = piece.astype(dtype, copy=False)
     rows = np.empty(len(piece), dtype=object)
     for i, row in enumerate(piece):
         rows[i] = row
@@ -215,21 +217,24 @@ def inverse_permutation(order: np.ndarray) -> np.ndarray:
     return inverse
 
 
-def assemble_window(parts: Sequence[dict[str, np.ndarray]], inverse: np.ndarray) -> dict[str, np.ndarray]:
+def assemble_window(
+    parts: Sequence[dict[str, np.ndarray]], inverse: np.ndarray, dtypes: Sequence[dict] | None = None
+) -> dict[str, np.ndarray]:
     """Concatenate pieces and apply the window permutation in one scatter per piece.
 
     ``out[j] = concatenated[order[j]]`` is written as ``out[inverse[rows of piece]] = piece``
     (``inverse`` = inverse of ``order``): a vectorized scatter copies each row once, faster than
-    concatenate + take.
+    concatenate + take, and widens narrowed cache columns back to their logical dtype (``dtypes``).
     """
     rows = len(inverse)
     out = {}
     for name in parts[0]:
         pieces = [part[name] for part in parts]
-        target = _column_template(pieces, rows)
+        logical = [d[name] for d in dtypes] if dtypes is not None else [p.dtype for p in pieces]
+        target = _column_template(pieces, logical, rows)
         offset = 0
-        for piece in pieces:
-            target[inverse[offset : offset + len(piece)]] = _as_rows(piece, target)
+        for piece, dtype in zip(pieces, logical):
+            target[inverse[offset : offset + len(piece)]] = _as_rows(piece, dtype, target)
             offset += len(piece)
         out[name] = target
     return out

@@ -36,7 +36,7 @@ class EpochBatches:
             CacheConfig(Path(inputs.cache_dir), config.cache_size_limit_bytes) if inputs.cache_dir else None
         )
         return RowGroupReader(
-            inputs.train_dir,
+            list(inputs.train_dirs),
             columns=COLUMNS,
             batch_size=config.micro_batch_size,
             seed=config.data_seed,
@@ -63,7 +63,7 @@ class EpochBatches:
                 return None
             self._reader = self._open(self.epoch)
             self._iterator = iter(self._reader)
-        raise RuntimeError(f"epoch {self.epoch} of {self._inputs.train_dir} yields no batch of {self._config.micro_batch_size} rows for rank {self._rank}")
+        raise RuntimeError(f"epoch {self.epoch} of {self._inputs.train_dirs} yields no batch of {self._config.micro_batch_size} rows for rank {self._rank}")
 
     def state_dict(self) -> dict:
         return self._reader.state_dict()

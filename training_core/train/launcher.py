@@ -35,7 +35,7 @@ def run_training(
     config: TrainingConfig,
     *,
     model_path: str,
-    train_dir: str,
+    train_dirs: list[str],
     seq_len: int,
     cache_dir: str | None,
     storage_path: Path,
@@ -51,7 +51,7 @@ def run_training(
     inputs = WorkerInputs(
         config=config.model_dump(mode="json"),
         model_path=model_path,
-        train_dir=train_dir,
+        train_dirs=list(train_dirs),
         cache_dir=cache_dir,
         seq_len=seq_len,
         fault_step=int(fault_step) if fault_step else None,

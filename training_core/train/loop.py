@@ -35,7 +35,7 @@ class WorkerInputs:
 
     config: dict
     model_path: str
-    train_dir: str
+    train_dirs: list[str]  # one per data partition in the training window
     cache_dir: str | None
     seq_len: int
     fault_step: int | None = None  # chaos hook: kill one worker once at this step

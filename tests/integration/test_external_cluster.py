@@ -1,0 +1,110 @@
+"""The demo on an external two-node Ray cluster (`ray start --head` + `ray start --address`), killed
+mid-training and relaunched: the second Dagster run resumes from the last checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+pytestmark = pytest.mark.integration
+
+VENV_BIN = Path(sys.executable).parent
+DEADLINE_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray(*args: str, env: dict) -> None:
+    subprocess.run([str(VENV_BIN / "ray"), *args], check=True, env=env, capture_output=True, timeout=120)
+
+
+# Ray 2.60 enables token authentication on `ray start --head`; every node and driver then needs
+# the token, which `ray start` keeps in the user's home on this machine.
+CLUSTER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "DS_ACCELERATOR": "cpu", "RAY_AUTH_MODE": "token"}
+
+
+def _stop_cluster(temp_dir: Path) -> None:
+    """Kill only this cluster's processes (`ray stop` would also stop the test session's Ray)."""
+    import psutil
+
+    ours = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(temp_dir) in part for part in process.info["cmdline"] or []):
+                ours.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for process in ours:
+        for child in [*process.children(recursive=True), process]:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+    psutil.wait_procs(ours, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster(tmp_path_factory):
+    port = _free_port()
+    env = {**os.environ, **CLUSTER_ENV}
+    temp_dir = tmp_path_factory.mktemp("ray-cluster")
+    try:
+        _ray("start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
+             f"--temp-dir={temp_dir}", "--disable-usage-stats", env=env)
+        _ray("start", f"--address=127.0.0.1:{port}", "--num-cpus=1", f"--temp-dir={temp_dir}", env=env)
+        yield f"127.0.0.1:{port}"
+    finally:
+        _stop_cluster(temp_dir)
+
+
+def _start_demo(home: Path, address: str, log: Path) -> subprocess.Popen:
+    env = {**os.environ, **CLUSTER_ENV, "TESSERA_RAY_ADDRESS": address, "PYTHONUNBUFFERED": "1"}
+    env.pop("TESSERA_FAULT_STEP", None)
+    return subprocess.Popen([str(VENV_BIN / "tessera"), "demo", "--home", str(home)], env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(predicate, what: str, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"process exited with {process.returncode} before {what}")
+        time.sleep(0.5)  # polling a file system condition, bounded by the deadline
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_demo_on_external_cluster_survives_a_killed_dagster_run(two_node_cluster, tmp_path):
+    home = tmp_path / "home"
+    first = _start_demo(home, two_node_cluster, tmp_path / "first.log")
+    try:
+        _wait(lambda: any((home / "ray").glob("*/checkpoint_*/progress.json")), "a first checkpoint", first)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the whole Dagster run, mid-training
+        first.wait(timeout=60)
+    second = _start_demo(home, two_node_cluster, tmp_path / "second.log")
+    assert second.wait(timeout=DEADLINE_S) == 0, (tmp_path / "second.log").read_text()[-3000:]
+
+    output = (tmp_path / "second.log").read_text()
+    assert "resumed from checkpoint" in output
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("tessera").experiment_id],
+                              filter_string="attributes.status = 'FINISHED'")
+    (finished,) = runs
+    assert finished.data.metrics["restarts"] >= 1
+    assert finished.data.metrics["eval_exact_match"] >= 0.5
+    history = client.get_metric_history(finished.info.run_id, "train_loss")
+    assert [m.step for m in sorted(history, key=lambda m: m.step)] == list(range(1, int(finished.data.metrics["steps"]) + 1))

@@ -1,0 +1,47 @@
+"""A training window: the published datasets of several data partitions, trained on together."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from training_core.data.dataset_writer import PublishedDataset, read_eval_records
+
+
+def window_digest(digests: list[str]) -> str:
+    """One partition: its own digest. Several: a digest of their digests, in window order."""
+    if len(digests) == 1:
+        return digests[0]
+    return hashlib.sha256("\n".join(digests).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class DatasetWindow:
+    partition_keys: list[str]
+    datasets: list[PublishedDataset]
+
+    @classmethod
+    def from_partitions(cls, by_partition: dict[str, PublishedDataset]) -> "DatasetWindow":
+        if not by_partition:
+            raise ValueError("the training window holds no materialized partition")
+        keys = sorted(by_partition)
+        seq_lens = {by_partition[k].seq_len for k in keys}
+        if len(seq_lens) != 1:
+            raise ValueError(f"partitions {keys} were packed with different seq_len {sorted(seq_lens)}; "
+                             "rematerialize training_dataset for them with one seq_len")
+        return cls(keys, [by_partition[k] for k in keys])
+
+    @property
+    def digest(self) -> str:
+        return window_digest([d.digest for d in self.datasets])
+
+    @property
+    def paths(self) -> list[str]:
+        return [d.path for d in self.datasets]
+
+    @property
+    def seq_len(self) -> int:
+        return self.datasets[0].seq_len
+
+    def eval_records(self) -> list[dict[str, str]]:
+        return [record for dataset in self.datasets for record in read_eval_records(dataset.path)]
