@@ -21,7 +21,7 @@ def one_pass(url: str, cache_dir: str, workers: int) -> tuple[int, float]:
     with make_batch_reader(
         url, reader_pool_type="thread", workers_count=workers, num_epochs=1, shuffle_row_groups=True, seed=0,
         cache_type="local-disk", cache_location=cache_dir, cache_size_limit=8 * 2**30,
-        cache_row_size_estimate=1100,
+        cache_row_size_estimate=1100, cache_extra_settings={"cleanup": False},  # else __exit__ deletes it
     ) as reader:
         for batch in reader:
             rows += len(batch.id)

@@ -1,0 +1,355 @@
+"""Loader benchmark: Tessera's RowGroupReader vs Petastorm, Ray Data and raw pyarrow.
+
+``python -m bench.loader [--quick]`` (or ``make bench-loader``) writes bench/results/loader.json and
+loader.png. Every configuration runs in a fresh subprocess (``--measure``), so peak RSS
+(``ru_maxrss``) and allocator state belong to that configuration alone. Data lives in the
+git-ignored bench/.data/; Petastorm runs in bench/.venv-petastorm, created on first use.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("bench.loader")
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+DATA_ROOT = BENCH_DIR / ".data"
+PETASTORM_VENV = BENCH_DIR / ".venv-petastorm"
+PETASTORM_PINS = ["pyarrow==14.0.2", "numpy<2", "setuptools<70"]
+PETASTORM_DEPS = ["dill", "diskcache", "fsspec", "future", "packaging", "pandas<2.1", "psutil", "pyzmq", "six"]
+BATCH_SIZE, TOKENS, ROW_GROUP_ROWS, FILES = 256, 256, 2000, 4
+DEMAND_ROWS_PER_S = 128_000
+SLOW_STORE = {"bandwidth_bytes_per_s": 50e6, "latency_s": 0.010}
+CACHE_QUOTA = 8 * 2**30
+
+
+def make_dataset(rows: int, directory: Path) -> Path:
+    """``rows`` × (int64 id, 256 int32 tokens) in 4 files with 2 000-row groups; reused if present."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    spec = {"rows": rows, "files": FILES, "row_group_rows": ROW_GROUP_ROWS, "tokens": TOKENS, "seed": 0}
+    marker = directory / "_spec.json"
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return directory
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    per_file = rows // FILES
+    for index in range(FILES):
+        ids = np.arange(index * per_file, (index + 1) * per_file, dtype=np.int64)
+        tokens = rng.integers(0, 32_000, (per_file, TOKENS), dtype=np.int32)
+        column = pa.FixedSizeListArray.from_arrays(tokens.ravel(), TOKENS).cast(pa.list_(pa.int32()))
+        pq.write_table(pa.table({"id": ids, "tokens": column}), directory / f"part-{index:05d}.parquet",
+                       row_group_size=ROW_GROUP_ROWS)
+    marker.write_text(json.dumps(spec))  # a _-prefixed side file: readers must ignore it
+    return directory
+
+
+# -- simulated slow object store --------------------------------------------------------------------
+class _SharedLink:
+    """A store link of fixed bandwidth shared by all readers, plus a fixed latency per request."""
+
+    def __init__(self, bandwidth_bytes_per_s: float, latency_s: float) -> None:
+        self.bandwidth, self.latency = bandwidth_bytes_per_s, latency_s
+        self._lock, self._free_at = threading.Lock(), 0.0
+
+    def transfer(self, nbytes: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(now, self._free_at) + nbytes / self.bandwidth
+            done = self._free_at
+        time.sleep(max(done - time.monotonic(), 0.0) + self.latency)
+
+
+def slow_filesystem(bandwidth_bytes_per_s: float, latency_s: float):
+    from fsspec.implementations.local import LocalFileSystem
+
+    link = _SharedLink(bandwidth_bytes_per_s, latency_s)
+
+    class _SlowFile:
+        def __init__(self, inner) -> None:
+            self._inner = inner
+
+        def read(self, size: int = -1) -> bytes:
+            data = self._inner.read(size)
+            link.transfer(len(data))
+            return data
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+    class SlowLocalFileSystem(LocalFileSystem):
+        def _open(self, path, mode="rb", **kwargs):
+            return _SlowFile(super()._open(path, mode, **kwargs))
+
+    return SlowLocalFileSystem(skip_instance_cache=True)
+
+
+# -- measurements (each runs in its own subprocess) -------------------------------------------------
+def _peak_rss_mb() -> float:
+    """``ru_maxrss`` of this process (Linux children inherit the parent's value at fork, so the
+    parent keeps its own RSS small: it generates data in a subprocess too)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _vm_hwm_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def measure_dataset(rows: int, directory: str) -> dict:
+    return {"path": str(make_dataset(rows, Path(directory)))}
+
+
+def measure_tessera(data: str, cache_dir: str, passes: int = 1, warmup: int = 0, clear_cache: bool = False,
+                    slow_store: bool = False, demand_rows_per_s: float | None = None, workers: int = 4) -> dict:
+    from training_core.data import CacheConfig, RowGroupReader
+
+    if clear_cache:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    filesystem = slow_filesystem(**SLOW_STORE) if slow_store else None
+    began = time.perf_counter()
+    reader = RowGroupReader(data, batch_size=BATCH_SIZE, seed=0, workers=workers, filesystem=filesystem,
+                            cache=CacheConfig(cache_dir, CACHE_QUOTA))
+    open_s = time.perf_counter() - began
+    rates, stalls, first_batch_s, first_wait_s, cpu_s = [], [], [], [], []
+    for index in range(warmup + passes):
+        rows, began, cpu_began = 0, time.perf_counter(), time.process_time()
+        start_wait = reader.stats.consumer_wait_s
+        for batch in reader:
+            if not rows:
+                first_batch_s.append(time.perf_counter() - began)
+                first_wait_s.append(reader.stats.consumer_wait_s - start_wait)
+            rows += len(batch["id"])
+            if demand_rows_per_s:
+                time.sleep(len(batch["id"]) / demand_rows_per_s)  # the "model" consuming the batch
+        elapsed = time.perf_counter() - began
+        if index >= warmup:
+            cpu_s.append(time.process_time() - cpu_began)
+            rates.append(rows / elapsed)
+            stalls.append((reader.stats.consumer_wait_s - start_wait) / elapsed)
+    stats = reader.stats.as_dict()
+    reader.close()
+    # stall once the first batch is there: (waited - first wait) / (elapsed - time to first batch)
+    steady = [(stall * rows / rate - wait) / (rows / rate - first)
+              for stall, rate, first, wait in zip(stalls, rates, first_batch_s[warmup:], first_wait_s[warmup:])]
+    return {"rows_per_s": statistics.median(rates), "passes": rates, "stall_fraction": statistics.median(stalls),
+            "stall_fraction_after_first_batch": statistics.median(steady),
+            "time_to_first_batch_s": statistics.median(first_batch_s[warmup:]), "open_s": open_s,
+            "cpu_s_per_pass": cpu_s,  # process CPU time: robust to other load on the machine
+            "peak_rss_mb": _peak_rss_mb(), "vm_hwm_mb": _vm_hwm_mb(), "stats": stats}
+
+
+def measure_raw(data: str) -> dict:
+    """Single thread: every row group via ``ParquetFile.read_row_group`` → 2-D NumPy."""
+    import pyarrow.compute  # noqa: F401 - imported before timing, as Tessera's modules do
+    import pyarrow.parquet as pq
+
+    rows, began, cpu_began = 0, time.perf_counter(), time.process_time()
+    for path in sorted(Path(data).glob("*.parquet")):
+        parquet = pq.ParquetFile(path)
+        for index in range(parquet.num_row_groups):
+            table = parquet.read_row_group(index, use_threads=False)
+            tokens = table.column("tokens").combine_chunks()
+            matrix = tokens.flatten().to_numpy().reshape(len(tokens), TOKENS)
+            ids = table.column("id").to_numpy()
+            rows += len(ids) + 0 * matrix.shape[0]
+    return {"rows_per_s": rows / (time.perf_counter() - began), "cpu_s": time.process_time() - cpu_began,
+            "peak_rss_mb": _peak_rss_mb()}
+
+
+def measure_ray(data: str, passes: int = 2) -> dict:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", object_store_memory=2 * 10**9)
+    try:
+        rates = []
+        for _ in range(passes):
+            rows, began = 0, time.perf_counter()
+            for batch in ray.data.read_parquet(data).iter_batches(batch_size=BATCH_SIZE, batch_format="numpy"):
+                rows += len(batch["id"])
+            rates.append(rows / (time.perf_counter() - began))
+    finally:
+        ray.shutdown()
+    return {"rows_per_s": max(rates), "passes": rates, "ray_version": ray.__version__}
+
+
+def measure_order(data: str, cache_dir: str) -> dict:
+    """Same id sequence for 1 vs 4 workers, without / cold / warm cache, on two layouts."""
+    from training_core.data import CacheConfig, RowGroupReader
+
+    def ids(workers: int, cache: bool, world_size: int = 1, rank: int = 0) -> np.ndarray:
+        config = CacheConfig(cache_dir, CACHE_QUOTA) if cache else None
+        with RowGroupReader(data, batch_size=BATCH_SIZE, seed=7, epoch=3, workers=workers, cache=config,
+                            world_size=world_size, rank=rank, columns=["id"]) as reader:
+            return np.concatenate([batch["id"] for batch in reader])
+
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    checks = []
+    for world_size, rank in [(1, 0), (3, 2)]:
+        reference = ids(1, False, world_size, rank)
+        others = [ids(4, False, world_size, rank), ids(4, True, world_size, rank), ids(2, True, world_size, rank)]
+        checks.append(all(np.array_equal(reference, other) for other in others))
+    return {"identical": all(checks)}
+
+
+MEASUREMENTS = {"tessera": measure_tessera, "raw": measure_raw, "ray": measure_ray, "order": measure_order,
+                "dataset": measure_dataset}
+
+
+def _subprocess(name: str, timeout_s: float = 900, **kwargs: Any) -> dict:
+    command = [sys.executable, "-m", "bench.loader", "--measure", name, "--kwargs", json.dumps(kwargs)]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONWARNINGS": "ignore"})
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmark step {name} {kwargs} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    logger.info("%s %s → %s", name, kwargs, {k: v for k, v in result.items() if k != "stats"})
+    return result
+
+
+def ensure_petastorm_venv() -> Path:
+    """Create bench/.venv-petastorm (pyarrow 14, numpy<2, petastorm 0.13.1 without pyspark)."""
+    python = PETASTORM_VENV / "bin" / "python"
+    probe = [str(python), "-c", "import petastorm, pyarrow; assert petastorm.__version__ == '0.13.1'"]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    shutil.rmtree(PETASTORM_VENV, ignore_errors=True)
+    subprocess.run(["python3.11", "-m", "venv", str(PETASTORM_VENV)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run(pip + PETASTORM_PINS, check=True)
+    subprocess.run(pip + ["--no-deps", "petastorm==0.13.1"], check=True)  # pyspark is not needed to read
+    subprocess.run(pip + PETASTORM_DEPS + PETASTORM_PINS, check=True)
+    subprocess.run(probe, check=True)
+    return python
+
+
+def measure_petastorm(data: Path, cache_dir: Path, passes: int) -> dict:
+    python = ensure_petastorm_venv()
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    done = subprocess.run(
+        [str(python), "-W", "ignore", str(BENCH_DIR / "petastorm_baseline.py"), str(data), str(cache_dir),
+         "--passes", str(passes)], capture_output=True, text=True, timeout=900, check=True,
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    logger.info("petastorm → %s", result)
+    return result
+
+
+def plot(rows_per_s: dict[str, float | None], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name for name, value in rows_per_s.items() if value]
+    values = [rows_per_s[name] / 1e3 for name in names]
+    figure, axis = plt.subplots(figsize=(10, 4.5))
+    colors = ["tab:blue" if name.startswith("tessera") else "tab:gray" for name in names]
+    bars = axis.bar(names, values, color=colors)
+    axis.bar_label(bars, labels=[f"{v:,.0f}k" for v in values], fontsize=8)
+    axis.set_ylabel("rows / s (thousands)")
+    axis.set_title(f"Loader throughput, batch {BATCH_SIZE}, {TOKENS} int32 tokens/row (2 CPU cores)")
+    axis.tick_params(axis="x", rotation=30)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def run(output_dir: Path, quick: bool = False) -> dict:
+    """Run every configuration; write ``loader.json`` and ``loader.png`` under ``output_dir``."""
+    rows = 40_000 if quick else 200_000
+    passes = 1 if quick else 3
+    output_dir.mkdir(parents=True, exist_ok=True)
+    base = Path(_subprocess("dataset", rows=rows, directory=str(DATA_ROOT / f"rows-{rows}"))["path"])
+    large = Path(_subprocess("dataset", rows=5 * rows, directory=str(DATA_ROOT / f"rows-{5 * rows}"))["path"])
+    cache = str(DATA_ROOT / "cache-local")
+    slow_cache = str(DATA_ROOT / "cache-slow")
+    r: dict[str, dict] = {}
+    r["pyarrow_raw"] = _subprocess("raw", data=str(base))
+    r["tessera_cold"] = _subprocess("tessera", data=str(base), cache_dir=cache, clear_cache=True)
+    r["tessera_warm"] = _subprocess("tessera", data=str(base), cache_dir=cache, warmup=1, passes=passes)
+    r["stall"] = _subprocess("tessera", data=str(base), cache_dir=cache, demand_rows_per_s=DEMAND_ROWS_PER_S)
+    r["tessera_slow_store_cold"] = _subprocess("tessera", data=str(base), cache_dir=slow_cache, clear_cache=True,
+                                               slow_store=True)
+    r["tessera_slow_store_warm"] = _subprocess("tessera", data=str(base), cache_dir=slow_cache, slow_store=True,
+                                               warmup=1, passes=passes)
+    large_cache = str(DATA_ROOT / "cache-5x")
+    r["fill_5x"] = _subprocess("tessera", data=str(large), cache_dir=large_cache, clear_cache=True)
+    r["tessera_warm_5x"] = _subprocess("tessera", data=str(large), cache_dir=large_cache, warmup=1, passes=passes)
+    r["order"] = _subprocess("order", data=str(base), cache_dir=str(DATA_ROOT / "cache-order"))
+    r["ray_data"] = _subprocess("ray", data=str(base), passes=2)
+    try:
+        r["petastorm_warm"] = measure_petastorm(base, DATA_ROOT / "cache-petastorm", passes)
+        r["petastorm_warm"]["rows_per_s"] = r["petastorm_warm"]["warm_rows_per_s"]
+    except (subprocess.SubprocessError, OSError) as error:
+        logger.error("petastorm baseline failed: %s", error)
+        r["petastorm_warm"] = {"rows_per_s": None, "error": str(error)}
+    names = ["tessera_cold", "tessera_warm", "petastorm_warm", "ray_data", "pyarrow_raw",
+             "tessera_slow_store_cold", "tessera_slow_store_warm", "tessera_warm_5x"]
+    rates = {name: r[name]["rows_per_s"] for name in names}
+    ratio = lambda a, b: (rates[a] / rates[b]) if rates.get(a) and rates.get(b) else None  # noqa: E731
+    result = {
+        "rows_per_s": rates,
+        "peak_rss_mb": {f"{rows // 1000}k" if rows < 10**6 else f"{rows // 10**6}m": r["tessera_warm"]["peak_rss_mb"],
+                        f"{5 * rows // 1000}k" if 5 * rows < 10**6 else f"{5 * rows // 10**6}m":
+                        r["tessera_warm_5x"]["peak_rss_mb"]},
+        "stall_fraction": r["stall"]["stall_fraction"],
+        "stall_detail": {key: r["stall"][key] for key in ("stall_fraction_after_first_batch", "time_to_first_batch_s")},
+        "order_identical_across_workers": r["order"]["identical"],
+        "ratios": {
+            "warm_vs_petastorm_warm": ratio("tessera_warm", "petastorm_warm"),
+            "cold_vs_pyarrow_raw": ratio("tessera_cold", "pyarrow_raw"),
+            "cold_vs_ray_data": ratio("tessera_cold", "ray_data"),
+            "slow_store_warm_vs_cold": ratio("tessera_slow_store_warm", "tessera_slow_store_cold"),
+            "warm_5x_vs_warm": ratio("tessera_warm_5x", "tessera_warm"),
+        },
+        "setup": {"rows": rows, "rows_5x": 5 * rows, "files": FILES, "row_group_rows": ROW_GROUP_ROWS,
+                  "tokens": TOKENS, "batch_size": BATCH_SIZE, "workers": 4, "warm_passes": passes,
+                  "demand_rows_per_s": DEMAND_ROWS_PER_S, "slow_store": SLOW_STORE, "cpus": os.cpu_count(),
+                  "quick": quick},
+        "details": r,
+    }
+    (output_dir / "loader.json").write_text(json.dumps(result, indent=2, default=float))
+    plot(rates, output_dir / "loader.png")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="40k rows, one timed pass (smoke test)")
+    parser.add_argument("--output-dir", type=Path, default=BENCH_DIR / "results")
+    parser.add_argument("--measure", choices=sorted(MEASUREMENTS), help=argparse.SUPPRESS)
+    parser.add_argument("--kwargs", default="{}", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure:
+        print(json.dumps(MEASUREMENTS[args.measure](**json.loads(args.kwargs)), default=float))  # for the parent
+        return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    result = run(args.output_dir, quick=args.quick)
+    print(json.dumps({key: result[key] for key in ("rows_per_s", "peak_rss_mb", "stall_fraction",
+                                                   "order_identical_across_workers", "ratios")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
