@@ -1,0 +1,202 @@
+"""Offline checks of the Kubernetes objects in deploy/: no cluster, no Helm, no Docker.
+
+Every YAML file parses; Kubernetes objects go through dagster-k8s's strict deserializer (unknown keys
+rejected at every level, required fields enforced by the `kubernetes` client models); the RayCluster
+goes through dagster-ray's own pydantic config models; `kuberay_cluster_from_manifest` builds the
+dagster-ray resource from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import sys
+import types
+from importlib.metadata import version
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+from dagster_ray import RayResource
+
+from deploy.k8s_executor import EXECUTOR_NAME, tessera_k8s_executor
+from deploy.k8s_tags import GPU_RESOURCE, TRAINING_ASSET
+from resources.kuberay_cluster import (
+    KubeRayManifestError,
+    kuberay_cluster_from_manifest,
+    raycluster_config_from_manifest,
+)
+from tests.unit.deploy_support import (
+    CONFIG_MAP,
+    DEPLOY,
+    K8S_OBJECTS,
+    NAMESPACE,
+    RAY_MANIFEST,
+    RAYCLUSTER,
+    STATE_PVC,
+    YAML_FILES,
+    _documents,
+    _k8s_model_name,
+    _ray_groups,
+    _strict_k8s,
+)
+
+
+# --- every file parses, every Kubernetes object is a valid object ---------------------------------
+
+
+def test_deploy_folder_holds_the_expected_manifests():
+    names = {str(path.relative_to(DEPLOY)) for path in YAML_FILES}
+    assert {"dagster/values.yaml", "kuberay/raycluster.yaml", "kuberay/rbac.yaml", "shared-state.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_yaml_parses_into_mappings(path):
+    documents = _documents(path)
+    assert documents, f"{path} is empty"
+    assert all(isinstance(doc, dict) for doc in documents)
+
+
+@pytest.mark.parametrize(
+    "path,doc", [(p, d) for p, d in K8S_OBJECTS if d["kind"] != "RayCluster"],
+    ids=lambda value: value["kind"] if isinstance(value, dict) else value.name,
+)
+def test_kubernetes_objects_deserialize_strictly(path, doc):
+    model = _strict_k8s(_k8s_model_name(doc), doc)
+    assert model.metadata.name
+    assert model.metadata.namespace == NAMESPACE
+
+
+def test_strict_deserializer_rejects_typos_and_missing_required_fields():
+    with pytest.raises(Exception, match="mountpath"):
+        _strict_k8s("V1VolumeMount", {"name": "x", "mountpath": "/data"})
+    with pytest.raises(ValueError, match="name"):
+        _strict_k8s("V1Container", {"image": "tessera:latest"})
+
+
+# --- the RayCluster ------------------------------------------------------------------------------
+
+
+def test_raycluster_spec_validates_with_dagster_ray_models_and_round_trips():
+    config = raycluster_config_from_manifest(RAY_MANIFEST)
+    rendered = config.to_k8s(types.SimpleNamespace(log=logging.getLogger(__name__)))
+    # dagster-ray adds `env: []` to containers that have no env; nothing else may change.
+    for group in _ray_groups(rendered):
+        for container in group["template"]["spec"]["containers"]:
+            if container.get("env") == []:
+                del container["env"]
+    assert rendered["apiVersion"] == "ray.io/v1" and rendered["kind"] == "RayCluster"
+    assert rendered["spec"] == RAY_MANIFEST["spec"]
+
+
+def test_dagster_ray_models_reject_an_invalid_spec():
+    broken = copy.deepcopy(RAY_MANIFEST)
+    broken["spec"]["authOptions"] = {"mode": "token"}  # token auth needs rayVersion >= 2.52
+    broken["spec"]["rayVersion"] = "2.40.0"
+    with pytest.raises(KubeRayManifestError, match="2.52"):
+        raycluster_config_from_manifest(broken)
+
+
+@pytest.mark.parametrize("group", _ray_groups(RAY_MANIFEST), ids=lambda g: g.get("groupName", "head"))
+def test_ray_pod_templates_are_valid_pod_templates(group):
+    template = _strict_k8s("V1PodTemplateSpec", group["template"])
+    assert template.spec.containers
+    # KubeRay passes rayStartParams to `ray start` as strings; numbers are rejected by the CRD.
+    assert all(isinstance(value, str) for value in group["rayStartParams"].values())
+
+
+def test_head_takes_no_work_and_no_gpu():
+    head = RAY_MANIFEST["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    for container in head["template"]["spec"]["containers"]:
+        resources = container.get("resources", {})
+        assert GPU_RESOURCE not in {**resources.get("requests", {}), **resources.get("limits", {})}
+
+
+def test_gpu_worker_group_autoscales_and_keeps_one_gpu_visible():
+    spec = RAY_MANIFEST["spec"]
+    assert spec["enableInTreeAutoscaling"] is True
+    (group,) = [g for g in spec["workerGroupSpecs"] if g["groupName"] == "gpu"]
+    # lora_adapter checks ray.cluster_resources()["GPU"] > 0 before training: a group scaled to
+    # zero would make that check fail, so at least one GPU worker stays.
+    assert 1 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    assert group["maxReplicas"] > group["minReplicas"]
+    (container,) = group["template"]["spec"]["containers"]
+    assert container["image"] == "tessera:latest"
+    assert container["resources"]["limits"][GPU_RESOURCE] == "1"
+
+
+def test_ray_and_python_versions_match_the_image_and_the_environment():
+    ray_version = version("ray")
+    assert RAY_MANIFEST["spec"]["rayVersion"] == ray_version
+    python_tag = f"py{sys.version_info.major}{sys.version_info.minor}"
+    base_image = re.search(r"^FROM (\S+)", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE).group(1)
+    assert base_image == f"rayproject/ray:{ray_version}-{python_tag}-gpu"
+    assert f"rayproject/ray:{ray_version}-{python_tag}-gpu" in RAYCLUSTER.read_text()
+
+
+def test_head_exposes_the_ray_client_port_dagster_ray_connects_to():
+    cluster = kuberay_cluster_from_manifest(RAYCLUSTER)
+    (head_container,) = RAY_MANIFEST["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    ports = {port["containerPort"] for port in head_container["ports"]}
+    assert {cluster.redis_port, cluster.dashboard_port, 6379} <= ports
+
+
+def test_every_ray_pod_mounts_the_shared_state_where_ray_storage_lives():
+    ray_storage = CONFIG_MAP["data"]["TESSERA_RAY_STORAGE"]
+    for group in _ray_groups(RAY_MANIFEST):
+        pod = group["template"]["spec"]
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+        for container in pod["containers"]:
+            mounts = [m for m in container["volumeMounts"] if claims.get(m["name"]) == STATE_PVC["metadata"]["name"]]
+            assert mounts, f"{container['name']} does not mount {STATE_PVC['metadata']['name']}"
+            assert any(Path(ray_storage).is_relative_to(m["mountPath"]) for m in mounts)
+            assert {"configMapRef": {"name": "tessera-config"}} in container["envFrom"]
+    assert "ReadWriteMany" in STATE_PVC["spec"]["accessModes"]
+    assert Path(ray_storage).is_relative_to(CONFIG_MAP["data"]["TESSERA_HOME"])
+
+
+# --- kuberay_cluster_from_manifest ----------------------------------------------------------------
+
+
+def test_attach_mode_keeps_the_named_cluster_alive():
+    cluster = kuberay_cluster_from_manifest(RAYCLUSTER)
+    assert cluster.ray_cluster.metadata["name"] == RAY_MANIFEST["metadata"]["name"]
+    assert cluster.namespace == NAMESPACE
+    assert cluster.lifecycle.cleanup == "never"
+
+
+def test_ephemeral_mode_lets_dagster_ray_name_and_delete_the_cluster():
+    cluster = kuberay_cluster_from_manifest(RAYCLUSTER, ephemeral=True, image="registry/tessera:abc123", timeout=900)
+    assert "name" not in cluster.ray_cluster.metadata
+    assert cluster.lifecycle.cleanup == "always"
+    assert cluster.timeout == 900
+    images = {c["image"] for g in (cluster.ray_cluster.spec.head_group_spec, *cluster.ray_cluster.spec.worker_group_specs)
+              for c in g["template"]["spec"]["containers"]}
+    assert images == {"registry/tessera:abc123"}
+    assert RAY_MANIFEST["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"] == "tessera:latest"
+
+
+def test_production_style_definitions_load_with_kuberay_and_the_k8s_executor():
+    @dg.asset(name=TRAINING_ASSET)
+    def training(ray_cluster: RayResource):
+        return None
+
+    cluster = kuberay_cluster_from_manifest(RAYCLUSTER)
+    assert isinstance(cluster, RayResource)  # what lora_adapter asks for
+    defs = dg.Definitions(
+        assets=[training], resources={"ray_cluster": cluster}, executor=tessera_k8s_executor(training_on_kuberay=True)
+    )
+    dg.Definitions.validate_loadable(defs)
+    assert defs.resolve_implicit_global_asset_job_def().executor_def.name == EXECUTOR_NAME
+
+
+def test_manifest_of_another_api_version_is_refused(tmp_path):
+    manifest = copy.deepcopy(RAY_MANIFEST)
+    manifest["apiVersion"] = "ray.io/v1alpha1"
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    with pytest.raises(KubeRayManifestError, match="v1alpha1"):
+        kuberay_cluster_from_manifest(path)
