@@ -84,7 +84,6 @@ def lora_adapter(
     ending at this partition), reading batches through the warmed row-group cache.
     When dataset, base model, config and code are unchanged since a finished run, that run is reused."""
     training_config = config.training_config()
-    training_config.check_hardware(gpu_available_in_cluster())
     tracker = mlflow_tracker.client()
     window = DatasetWindow.from_partitions(by_partition(training_dataset, context, "training_dataset"))
     caches: dict[str, WarmCache] = by_partition(row_group_cache, context, "row_group_cache")
@@ -102,6 +101,7 @@ def lora_adapter(
     tracked = run_tracked_training(
         training_config, inputs, tracker, ray_storage=storage.ray_storage, models_dir=storage.folder("models") / "trained",
         dagster_run_id=context.run_id, extra_tags={"dagster_partition": context.partition_key},
+        before_training=lambda: _connect_and_check(ray_cluster, context, training_config),
     )
     result = tracked.result
     losses = [loss for _, loss in result.loss_history]
@@ -131,6 +131,16 @@ def lora_adapter(
             "loss_curve": dg.MetadataValue.md(_sparkline_table(result.loss_history)),
         },
     )
+
+
+def _connect_and_check(ray_cluster: RayResource, context: dg.AssetExecutionContext, training_config) -> None:
+    """Ray starts (or is reached) only when training runs; then GPU-only settings are checked
+    against the cluster, before any worker starts."""
+    import ray
+
+    if not ray.is_initialized():
+        ray_cluster.connect(context)
+    training_config.check_hardware(gpu_available_in_cluster())
 
 
 def _sparkline_table(history: list[tuple[int, float]], rows: int = 8) -> str:

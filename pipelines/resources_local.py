@@ -3,9 +3,12 @@ running cluster (`ray start --head`), SQLite MLflow and the row-group cache unde
 
 import os
 
+from dagster_ray import Lifecycle
+
 from resources import ExternalRayCluster, LocalRayCluster, MlflowTracker, RowGroupCache, TesseraStorage
 
 RAY_ADDRESS_ENV = "TESSERA_RAY_ADDRESS"
+LAZY = Lifecycle(connect=False)
 
 
 def local_resources() -> dict:
@@ -13,8 +16,9 @@ def local_resources() -> dict:
     address = os.environ.get(RAY_ADDRESS_ENV)
     return {
         "storage": storage,
-        "ray_cluster": ExternalRayCluster(address=address) if address
-        else LocalRayCluster(ray_init_options={"logging_level": "warning"}),
+        # connect=False: the training asset connects only when it really trains (not for a reuse).
+        "ray_cluster": ExternalRayCluster(address=address, lifecycle=LAZY) if address
+        else LocalRayCluster(ray_init_options={"logging_level": "warning"}, lifecycle=LAZY),
         "mlflow_tracker": MlflowTracker(storage=storage),
         "cache": RowGroupCache(storage=storage),
     }

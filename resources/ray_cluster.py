@@ -8,7 +8,7 @@
 
 from typing import Any
 
-from dagster_ray import LocalRay, RayResource
+from dagster_ray import Lifecycle, LocalRay, RayResource
 from pydantic import Field, PrivateAttr
 
 
@@ -32,7 +32,10 @@ class _SharesRunningRay:
 
 
 class LocalRayCluster(_SharesRunningRay, LocalRay):
-    """In-process Ray on this machine."""
+    """In-process Ray on this machine, started when training starts (not for a reused run)."""
+
+    lifecycle: Lifecycle = Field(default_factory=lambda: Lifecycle(connect=False),
+                                 description="connect lazily: the training asset connects when it trains")
 
     ray_init_options: dict[str, Any] = Field(
         default_factory=lambda: {"logging_level": "warning"},
@@ -42,6 +45,9 @@ class LocalRayCluster(_SharesRunningRay, LocalRay):
 
 class ExternalRayCluster(_SharesRunningRay, RayResource):
     """A Ray cluster that is already running, reached by its GCS address (e.g. 127.0.0.1:6379)."""
+
+    lifecycle: Lifecycle = Field(default_factory=lambda: Lifecycle(connect=False),
+                                 description="connect lazily: the training asset connects when it trains")
 
     address: str = Field(description="GCS address of the head node, e.g. 10.0.0.5:6379 or 'auto'")
 

@@ -5,6 +5,7 @@ Used by the `lora_adapter` asset and by `tessera reproduce`, so both record runs
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,7 +81,10 @@ def run_tracked_training(
     extra_tags: dict[str, str] | None = None,
     run_name_suffix: str = "",
     reuse_finished: bool = True,
+    before_training: Callable[[], None] | None = None,
 ) -> TrackedRun:
+    """Reuse a finished run with identical inputs, or train. `before_training` runs only when
+    training really starts (the asset connects to Ray there, so a reuse never starts Ray)."""
     lineage = build_lineage_record(
         seed=config.seed,
         data_seed=config.data_seed,
@@ -96,6 +100,8 @@ def run_tracked_training(
     if reuse_finished and (earlier := find_reusable_run(tracking, lineage)) is not None:
         log.info("inputs, config and code unchanged since MLflow run %s: reusing it", earlier.mlflow_run_id)
         return earlier
+    if before_training is not None:
+        before_training()
     name = ray_run_name(inputs, config, run_name_suffix)
     run_id = tracking.start_run(name, tags={"method": config.method, **(extra_tags or {})})
     try:

@@ -68,6 +68,9 @@ def _assert_identical(a, b) -> None:
     assert weights_a.keys() == weights_b.keys()
     for key in weights_a:
         assert weights_a[key].equal(weights_b[key]), key
+    config = lambda r: (Path(r.model_dir) / "adapter_config.json").read_text()  # noqa: E731
+    if (Path(a.model_dir) / "adapter_config.json").exists():
+        assert config(a) == config(b)
 
 
 def test_lora_run_learns_and_matches_golden_first_loss(train):

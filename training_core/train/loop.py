@@ -4,6 +4,7 @@ config → seed → model → DeepSpeed → data → loop → checkpoint → fin
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -186,6 +187,19 @@ def _save_final_model(engine, directory: Path, rank: int) -> None:
                 module.save_pretrained(directory)
     elif rank == 0:
         module.save_pretrained(directory)
+    if rank == 0:
+        _sort_adapter_config(directory / "adapter_config.json")
+
+
+def _sort_adapter_config(path: Path) -> None:
+    """PEFT writes target_modules from a Python set, whose order changes with the hash seed; sort
+    it so that identical runs produce byte-identical adapter folders."""
+    if not path.exists():
+        return
+    config = json.loads(path.read_text())
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+    path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def _maybe_inject_fault(inputs: WorkerInputs, step: int, rank: int, world_size: int) -> None:
