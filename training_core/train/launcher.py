@@ -58,7 +58,9 @@ def run_training(
         fault_marker=str(storage_path / run_name / "fault-injected") if fault_step else None,
         run_directory=str(storage_path / run_name),
     )
-    worker_env = {"DS_ACCELERATOR": "cuda" if config.use_gpu else "cpu", "TOKENIZERS_PARALLELISM": "false"}
+    # Ray Train's controller polls workers at this interval; the default adds seconds to every
+    # run's shutdown. Read from the driver's environment when the trainer starts.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=inputs.as_dict(),
@@ -73,7 +75,6 @@ def run_training(
             storage_path=str(storage_path),
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
-            worker_runtime_env={"env_vars": worker_env},
         ),
     )
     result = trainer.fit()

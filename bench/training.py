@@ -1,0 +1,469 @@
+"""Training benchmark: Tessera's Ray Train + DeepSpeed path against a plain PyTorch + PEFT loop.
+
+``python -m bench.training [--quick]`` (or ``make bench-train`` = ``tessera bench train``) writes
+bench/results/training.json and training.png. Every configuration trains the same tiny Llama
+(2 layers, hidden 128, vocab 512, seq 64, micro batch 4, LoRA r=16 on all linear layers) on the
+same packed Parquet dataset:
+
+- ``plain``: one process, PyTorch + PEFT, AdamW, one thread; no Ray, no DeepSpeed.
+- ``tessera_1w_zero2`` / ``tessera_2w_zero2`` / ``tessera_2w_zero3_offload``: the real path,
+  ``training_core.train.launcher.run_training`` on Ray Train with DeepSpeed, 1 CPU per worker.
+
+Seconds per step come from the worker's own loop timing (the run's ``telemetry``). That timer
+covers the whole loop, warm-up included, so each Tessera configuration runs twice — ``warmup``
+steps and ``warmup + measured`` steps — and s/step is the difference of the two loop times over
+``measured`` steps. Start-up is the wall time of ``run_training`` minus the loop time of the same
+run: Ray Train worker group start, imports, model load, ``deepspeed.initialize``, and at the end
+the final checkpoint/report and worker shutdown. Inputs live in the git-ignored bench/.data/.
+
+Two references make a noisy, shared 2-core machine readable: ``plain`` runs before and after the
+Tessera runs (their spread is the noise), and two plain loops run at once in separate processes
+(``ceiling_2_processes``: the most any 2-worker run could get at that moment), next to a
+busy-loop probe of the CPU share two processes get (``machine.cpu_share_*``).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("bench.training")
+
+BENCH_DIR = Path(__file__).resolve().parent
+DATA_ROOT = BENCH_DIR / ".data" / "training"
+
+# The model every configuration trains (vocab = 4 special tokens + 508 word types = 512).
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, VOCAB = 128, 256, 2, 4, 512
+SEQ_LEN, MICRO_BATCH, LORA_R = 64, 4, 16
+WORD_TYPES = VOCAB - 4
+PROMPT_WORDS, RESPONSE_WORDS = 20, 40  # 1 + 20 + 40 + 1 = 62 tokens: one example per 64-token row
+RECORDS = 2400
+INPUT_SPEC = {"version": 1, "vocab": VOCAB, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "layers": LAYERS,
+              "heads": HEADS, "seq_len": SEQ_LEN, "records": RECORDS, "seed": 0}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    warmup_steps: int
+    measured_steps: int
+
+
+FULL, QUICK = Sizes(warmup_steps=5, measured_steps=60), Sizes(warmup_steps=2, measured_steps=12)
+
+# name → (TrainingConfig overrides). Every worker gets one CPU.
+TESSERA_CONFIGS: dict[str, dict[str, Any]] = {
+    "tessera_1w_zero2": {"num_workers": 1, "zero_stage": 2},
+    "tessera_2w_zero2": {"num_workers": 2, "zero_stage": 2},
+    "tessera_2w_zero3_offload": {"num_workers": 2, "zero_stage": 3, "offload_optimizer": "cpu"},
+}
+
+
+@dataclass(frozen=True)
+class BenchInputs:
+    model_dir: str
+    train_dir: str
+    cache_dir: str
+    dataset_digest: str
+    train_rows: int
+
+
+# -- inputs -----------------------------------------------------------------------------------------
+def prepare_inputs(root: Path) -> BenchInputs:
+    """Tokenizer + random-init tiny Llama + packed Parquet dataset; reused if present."""
+    marker = root / "inputs.json"
+    if marker.exists():
+        saved = json.loads(marker.read_text())
+        if saved.get("spec") == INPUT_SPEC and Path(saved["inputs"]["model_dir"]).exists():
+            return BenchInputs(**saved["inputs"])
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from training_core.base_model import train_demo_tokenizer
+    from training_core.data.dataset_writer import DatasetSpec, write_dataset
+
+    words = [f"w{index:03d}" for index in range(WORD_TYPES)]
+    tokenizer = train_demo_tokenizer([" ".join(words)])
+    if len(tokenizer) != VOCAB:
+        raise RuntimeError(f"benchmark tokenizer has {len(tokenizer)} tokens, expected {VOCAB}")
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=256,
+        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    model_dir = root / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+    rng = np.random.default_rng(0)
+    records = [
+        {"prompt": " ".join(rng.choice(words, PROMPT_WORDS)), "response": " ".join(rng.choice(words, RESPONSE_WORDS))}
+        for _ in range(RECORDS)
+    ]
+    dataset = write_dataset(records, tokenizer, root / "datasets", DatasetSpec(seq_len=SEQ_LEN),
+                            source_label="bench-training")
+    inputs = BenchInputs(str(model_dir), str(dataset.train_dir), str(root / "cache"), dataset.digest,
+                         dataset.train_rows)
+    marker.write_text(json.dumps({"spec": INPUT_SPEC, "inputs": inputs.__dict__}, indent=2))
+    return inputs
+
+
+def warm_row_group_cache(inputs: BenchInputs) -> None:
+    """As in the pipeline, where the row_group_cache asset runs before lora_adapter. Done on every
+    benchmark run: cheap (18 row groups), and entries written by an older cache format are replaced."""
+    from training_core.data import CacheConfig, warm_cache
+    from training_core.data.batch_columns import TRAINING_COLUMNS
+    from training_core.train.config import TrainingConfig
+
+    warm_cache(inputs.train_dir, CacheConfig(inputs.cache_dir, TrainingConfig().cache_size_limit_bytes),
+               columns=TRAINING_COLUMNS, dataset_digest=inputs.dataset_digest)
+
+
+def training_config(max_steps: int, **overrides: Any):
+    from training_core.train.config import TrainingConfig
+
+    return TrainingConfig(
+        micro_batch_size=MICRO_BATCH,
+        max_steps=max_steps,
+        cpus_per_worker=1,
+        lora={"r": LORA_R},
+        checkpoint_every_steps=10**6,  # only the final checkpoint: a mid-run one would land in the loop time
+        **overrides,
+    )
+
+
+# -- plain PyTorch + PEFT ---------------------------------------------------------------------------
+def run_plain(inputs: BenchInputs, sizes: Sizes) -> dict:
+    """Single process, one thread: the same model, LoRA, batches, AdamW, schedule and clipping."""
+    import torch
+
+    from training_core.data import RowGroupReader
+    from training_core.data.batch_columns import TRAINING_COLUMNS
+    from training_core.train.model_setup import apply_method, load_base_model
+    from training_core.train.schedule import build_lr_scheduler
+
+    steps = sizes.warmup_steps + sizes.measured_steps
+    config = training_config(steps, num_workers=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        # The batches rank 0 of a one-worker Tessera run sees, decoded before timing starts.
+        reader = RowGroupReader(inputs.train_dir, columns=TRAINING_COLUMNS, batch_size=MICRO_BATCH,
+                                seed=config.data_seed, epoch=0, shuffle=True,
+                                shuffle_buffer_row_groups=config.shuffle_buffer_row_groups, workers=1,
+                                drop_last=True)
+        batches = []
+        for batch in reader:
+            batches.append({name: torch.from_numpy(batch[name]).long() for name in TRAINING_COLUMNS})
+            if len(batches) == steps:
+                break
+        reader.close()
+        torch.manual_seed(config.seed)
+        model = apply_method(load_base_model(config, inputs.model_dir), config)
+        model.train()
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
+        scheduler = build_lr_scheduler(optimizer, config)
+        step_times, losses = [], []
+        for batch in batches:
+            started = time.perf_counter()
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(parameters, config.gradient_clipping)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            step_times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    measured = step_times[sizes.warmup_steps:]
+    return {
+        "s_per_step": float(np.mean(measured)),
+        "s_per_step_median": float(np.median(measured)),
+        "warmup_s": float(sum(step_times[: sizes.warmup_steps])),
+        "loss_history": list(enumerate(losses, start=1)),
+    }
+
+
+# -- Tessera ----------------------------------------------------------------------------------------
+def shm_op_mtime() -> float | None:
+    """mtime of DeepSpeed's JIT-built CPU shared-memory comm op: a change across a run means some
+    process rebuilt it meanwhile (20-45 s on this machine, paid by whoever loads it next)."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    built = sorted(root.glob("*/deepspeed_shm_comm/deepspeed_shm_comm.so"))
+    return max((path.stat().st_mtime for path in built), default=None)
+
+
+def run_tessera_once(inputs: BenchInputs, name: str, max_steps: int, storage: Path, output: Path) -> dict:
+    from training_core.train.launcher import run_training
+
+    config = training_config(max_steps, **TESSERA_CONFIGS[name])
+    run_name = f"{name}-{max_steps}-{time.strftime('%H%M%S')}-{os.getpid()}"
+    shm_before, started = shm_op_mtime(), time.perf_counter()
+    # run_training takes the training window's partitions as `train_dirs` (older: one `train_dir`).
+    data = ({"train_dirs": [inputs.train_dir]} if "train_dirs" in inspect.signature(run_training).parameters
+            else {"train_dir": inputs.train_dir})
+    result = run_training(config, model_path=inputs.model_dir, seq_len=SEQ_LEN, cache_dir=inputs.cache_dir,
+                          storage_path=storage, run_name=run_name, output_dir=output, max_failures=0, **data)
+    wall = time.perf_counter() - started
+    if result.steps != max_steps or result.restarts:
+        raise RuntimeError(f"{name}: ran {result.steps}/{max_steps} steps with {result.restarts} restarts")
+    telemetry = result.telemetry
+    return {"wall_s": wall, "loop_s": telemetry["elapsed_s"], "startup_s": wall - telemetry["elapsed_s"],
+            "shm_op_rebuilt": shm_op_mtime() != shm_before, "telemetry": telemetry,
+            "loss_history": result.loss_history}
+
+
+def run_tessera(inputs: BenchInputs, name: str, sizes: Sizes, storage: Path, output: Path) -> dict:
+    """Two runs, `warmup` and `warmup + measured` steps; the difference of their loop times is warm."""
+    short = run_tessera_once(inputs, name, sizes.warmup_steps, storage, output)
+    long = run_tessera_once(inputs, name, sizes.warmup_steps + sizes.measured_steps, storage, output)
+    n = sizes.measured_steps
+    s_per_step = (long["loop_s"] - short["loop_s"]) / n
+    phases = {
+        phase: (long["telemetry"][f"{phase}_s"] - short["telemetry"][f"{phase}_s"]) / n
+        for phase in ("data_wait", "forward", "backward", "optimizer")
+    }
+    phases["other"] = s_per_step - sum(phases.values())  # loss all_reduce, bookkeeping
+    workers = TESSERA_CONFIGS[name]["num_workers"]
+    return {
+        "s_per_step": s_per_step,
+        "s_per_step_including_warmup": long["loop_s"] / (sizes.warmup_steps + n),
+        "samples_per_s": MICRO_BATCH * workers / s_per_step,
+        "phases_s_per_step": phases,
+        "startup_s": long["startup_s"],
+        "startup_s_short_run": short["startup_s"],
+        "shm_op_rebuilt": {"short": short["shm_op_rebuilt"], "long": long["shm_op_rebuilt"]},
+        "wall_s": {"short": short["wall_s"], "long": long["wall_s"]},
+        "loop_s": {"short": short["loop_s"], "long": long["loop_s"]},
+        "loss_history": long["loss_history"],
+        "telemetry": long["telemetry"],
+    }
+
+
+# -- report -----------------------------------------------------------------------------------------
+def machine_info() -> dict:
+    import deepspeed
+    import peft
+    import ray
+    import torch
+    import transformers
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": model,
+        "load_average_1m_at_start": os.getloadavg()[0],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "ray": ray.__version__,
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def label(name: str) -> str:
+        return name.replace("tessera_", "").replace("_", "\n")
+
+    names = list(result["s_per_step"])
+    colors = ["#777777" if n == "plain" else "#1f77b4" for n in names]
+    rate_names = names + ["2 plain\nprocesses"]
+    rates = [result["samples_per_s"][n] for n in names] + [result["ceiling_2_processes"]["samples_per_s"]]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    panels = [
+        ("ms per optimizer step (lower is better)", [1e3 * result["s_per_step"][n] for n in names],
+         [label(n) for n in names], colors),
+        ("samples/s, all workers (higher is better)", rates, [label(n) for n in rate_names],
+         colors + ["#bbbbbb"]),
+        ("start-up + teardown, s (lower is better)", list(result["startup_s"].values()),
+         [label(n) for n in result["startup_s"]], ["#1f77b4"] * len(result["startup_s"])),
+    ]
+    for axis, (title, values, labels, color) in zip(axes, panels):
+        bars = axis.bar(range(len(values)), values, color=color)
+        axis.set_xticks(range(len(values)), labels, fontsize=8)
+        axis.set_title(title, fontsize=10)
+        axis.bar_label(bars, fmt="%.1f", fontsize=8)
+    axes[2].axhline(10, color="red", linestyle="--", linewidth=1, label="target 10 s")
+    axes[2].legend(fontsize=8)
+
+    def fmt(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}×"
+
+    fig.suptitle(f"Tiny Llama, LoRA r={LORA_R}, seq {SEQ_LEN}, micro batch {MICRO_BATCH}, 1 CPU per worker: "
+                 f"overhead 1w/plain {fmt(result['overhead_ratio_1_worker'])} (target ≤1.15), "
+                 f"scaling 2w/1w {fmt(result['scaling_2_vs_1'])} (target ≥1.8; this machine's 2-process "
+                 f"ceiling {fmt(result['ceiling_2_processes']['scaling_vs_plain'])})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_plain_subprocesses(sizes: Sizes, count: int = 2) -> list[dict]:
+    """`count` plain loops at once, each in its own process, no communication: the most this machine
+    gives `count` single-threaded trainers (the ceiling for Tessera's data-parallel scaling)."""
+    command = [sys.executable, "-m", "bench.training", "--measure-plain",
+               f"--warmup-steps={sizes.warmup_steps}", f"--measured-steps={sizes.measured_steps}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    processes = [subprocess.Popen(command, cwd=BENCH_DIR.parent, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True) for _ in range(count)]
+    results = []
+    for process in processes:
+        out, _ = process.communicate(timeout=900)
+        if process.returncode != 0:
+            raise RuntimeError(f"plain subprocess failed with status {process.returncode}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def _burn(seconds: float) -> float:
+    started, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - started < seconds:
+        pass
+    return (time.process_time() - cpu) / (time.perf_counter() - started)
+
+
+def cpu_share_probe(seconds: float = 2.0) -> list[float]:
+    """CPU-seconds per wall-second each of two busy processes gets: ~1.0 each when two cores are
+    free, ~0.5 when other work on the machine holds one (then no 2-worker run can scale)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        return [round(share, 3) for share in pool.map(_burn, [seconds, seconds])]
+
+
+def run(output_dir: Path, quick: bool = False) -> dict:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import ray
+
+    sizes = QUICK if quick else FULL
+    output_dir.mkdir(parents=True, exist_ok=True)
+    inputs = prepare_inputs(DATA_ROOT)
+    warm_row_group_cache(inputs)
+    storage, trained = DATA_ROOT / "ray", DATA_ROOT / "trained"
+    shutil.rmtree(storage, ignore_errors=True)
+    machine = machine_info()
+    machine["cpu_share_2_busy_processes_at_start"] = cpu_share_probe()
+    details: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, logging_level="warning")
+    try:
+        logger.info("plain PyTorch + PEFT, %d + %d steps", sizes.warmup_steps, sizes.measured_steps)
+        details["plain"] = run_plain(inputs, sizes)
+        logger.info("two plain loops at once (the machine's 2-process ceiling)")
+        details["plain_2_processes"] = {"runs": run_plain_subprocesses(sizes)}
+        for name in TESSERA_CONFIGS:
+            logger.info("%s: %d and %d steps", name, sizes.warmup_steps, sizes.warmup_steps + sizes.measured_steps)
+            try:
+                details[name] = run_tessera(inputs, name, sizes, storage, trained)
+            except Exception as error:  # one broken configuration must not hide the others' numbers
+                logger.exception("%s failed", name)
+                errors[name] = f"{type(error).__name__}: {error}"[:2000]
+        # Again at the end: the spread of the two plain runs is the noise floor of this machine.
+        details["plain_repeat"] = run_plain(inputs, sizes)
+    finally:
+        ray.shutdown()
+    machine["cpu_share_2_busy_processes_at_end"] = cpu_share_probe()
+    machine["load_average_1m_at_end"] = os.getloadavg()[0]
+
+    plain_runs = [details["plain"]["s_per_step"], details["plain_repeat"]["s_per_step"]]
+    s_per_step = {"plain": float(np.mean(plain_runs)), **{n: details[n]["s_per_step"] for n in TESSERA_CONFIGS
+                                                           if n in details}}
+    workers = {"plain": 1, **{n: TESSERA_CONFIGS[n]["num_workers"] for n in TESSERA_CONFIGS}}
+    samples_per_s = {n: MICRO_BATCH * workers[n] / s for n, s in s_per_step.items()}
+    ceiling_runs = details["plain_2_processes"]["runs"]
+    ceiling_samples_per_s = sum(MICRO_BATCH / run_["s_per_step"] for run_ in ceiling_runs)
+
+    def ratio(a: str, b: str, table: dict) -> float | None:
+        return table[a] / table[b] if a in table and b in table else None
+
+    result = {
+        "s_per_step": s_per_step,
+        "samples_per_s": samples_per_s,
+        "overhead_ratio_1_worker": ratio("tessera_1w_zero2", "plain", s_per_step),
+        "scaling_2_vs_1": ratio("tessera_2w_zero2", "tessera_1w_zero2", samples_per_s),
+        "startup_s": {n: details[n]["startup_s"] for n in TESSERA_CONFIGS if n in details},
+        "targets": {"overhead_ratio_1_worker_max": 1.15, "scaling_2_vs_1_min": 1.8, "startup_s_max": 10.0},
+        "ceiling_2_processes": {
+            "samples_per_s": ceiling_samples_per_s,
+            "scaling_vs_plain": ceiling_samples_per_s / samples_per_s["plain"],
+            "s_per_step": [run_["s_per_step"] for run_ in ceiling_runs],
+        },
+        "plain_s_per_step_runs": plain_runs,
+        "phases_s_per_step": {n: details[n]["phases_s_per_step"] for n in TESSERA_CONFIGS if n in details},
+        "errors": errors,
+        "setup": {"layers": LAYERS, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "heads": HEADS, "vocab": VOCAB,
+                  "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "lora_r": LORA_R,
+                  "warmup_steps": sizes.warmup_steps, "measured_steps": sizes.measured_steps,
+                  "cpus_per_worker": 1, "ray_num_cpus": 2, "train_rows": inputs.train_rows, "quick": quick,
+                  "method": "Tessera s/step = (loop_s(warmup+measured) - loop_s(warmup)) / measured from the "
+                            "workers' telemetry (it has no per-step times); start-up = run_training wall - "
+                            "loop_s of the longer run; plain = mean of two in-process runs (before and after)"},
+        "machine": machine,
+        "details": {n: {k: v for k, v in d.items() if k != "loss_history"} for n, d in details.items()},
+    }
+    if "tessera_1w_zero2" in details:
+        plain_losses = [loss for _, loss in details["plain"]["loss_history"]]
+        tessera_losses = [loss for _, loss in details["tessera_1w_zero2"]["loss_history"]]
+        # Same init, batches, schedule and clipping: the curves agree, so both loops do the same work.
+        result["max_abs_loss_diff_plain_vs_1w"] = float(np.max(np.abs(np.subtract(plain_losses, tessera_losses))))
+    (output_dir / "training.json").write_text(json.dumps(result, indent=2, default=float))
+    plot(result, output_dir / "training.png")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK.warmup_steps} + {QUICK.measured_steps} steps instead of "
+                             f"{FULL.warmup_steps} + {FULL.measured_steps} (smoke test)")
+    parser.add_argument("--output-dir", type=Path, default=BENCH_DIR / "results")
+    parser.add_argument("--measure-plain", action="store_true", help=argparse.SUPPRESS)  # child of the ceiling run
+    parser.add_argument("--warmup-steps", type=int, default=FULL.warmup_steps, help=argparse.SUPPRESS)
+    parser.add_argument("--measured-steps", type=int, default=FULL.measured_steps, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure_plain:
+        measured = run_plain(prepare_inputs(DATA_ROOT), Sizes(args.warmup_steps, args.measured_steps))
+        print(json.dumps({k: v for k, v in measured.items() if k != "loss_history"}))
+        return
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    result = run(args.output_dir, quick=args.quick)
+    summary = {key: result[key] for key in ("s_per_step", "samples_per_s", "overhead_ratio_1_worker",
+                                            "scaling_2_vs_1", "startup_s", "ceiling_2_processes", "errors")}
+    print(json.dumps(summary, indent=2, default=float))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
