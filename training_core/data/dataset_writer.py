@@ -22,6 +22,9 @@ from training_core.errors import EmptyPartitionError
 from training_core.storage import directory_digest, publish_directory, staging_directory
 
 
+EVAL_FILE = "eval.parquet"
+
+
 @dataclass(frozen=True)
 class DatasetSpec:
     seq_len: int = 64
@@ -49,9 +52,6 @@ class PublishedDataset:
     def train_dir(self) -> Path:
         return Path(self.path) / "train"
 
-    @property
-    def eval_file(self) -> Path:
-        return Path(self.path) / "eval.parquet"
 
 
 def _fixed_list(array: np.ndarray) -> pa.Array:
@@ -74,7 +74,7 @@ def write_dataset(
     if not records:
         raise EmptyPartitionError(f"{source_label}: no records to write")
     train_examples, eval_records = [], []
-    for index, record in enumerate(records):
+    for record in records:
         if is_eval_example(record["prompt"], spec.eval_fraction):
             eval_records.append(record)
         else:
@@ -99,7 +99,7 @@ def write_dataset(
             files += 1
         pq.write_table(
             pa.table({"prompt": [r["prompt"] for r in eval_records], "response": [r["response"] for r in eval_records]}),
-            staging / "eval.parquet",
+            staging / EVAL_FILE,
         )
         manifest = {
             "spec": asdict(spec),
@@ -129,4 +129,4 @@ def write_dataset(
 
 def read_eval_records(dataset_path: str | Path) -> list[dict[str, str]]:
     """The held-out split of a published dataset (raw prompt / response text)."""
-    return pq.read_table(Path(dataset_path) / "eval.parquet").to_pylist()
+    return pq.read_table(Path(dataset_path) / EVAL_FILE).to_pylist()

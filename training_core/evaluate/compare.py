@@ -26,11 +26,12 @@ class EvaluationReport:
                 "eval_loss_ratio": self.loss_ratio}
 
 
-def evaluate_trained(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]]) -> EvalMetrics:
-    return evaluate(load_model_for_eval(base_model_path, trained_model_dir), load_tokenizer(base_model_path), records)
+def evaluate_trained(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]], tokenizer=None) -> EvalMetrics:
+    tokenizer = tokenizer or load_tokenizer(base_model_path)
+    return evaluate(load_model_for_eval(base_model_path, trained_model_dir), tokenizer, records)
 
 
 def evaluate_against_base(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]]) -> tuple[EvalMetrics, EvalMetrics]:
     tokenizer = load_tokenizer(base_model_path)
     base = evaluate(load_model_for_eval(base_model_path), tokenizer, records)
-    return base, evaluate_trained(base_model_path, trained_model_dir, records)
+    return base, evaluate_trained(base_model_path, trained_model_dir, records, tokenizer)

@@ -10,7 +10,6 @@ from training_core.data import CacheConfig, RowGroupReader
 from training_core.data.batch_columns import TRAINING_COLUMNS
 from training_core.train.config import TrainingConfig
 
-COLUMNS = TRAINING_COLUMNS
 
 
 class EpochBatches:
@@ -37,7 +36,7 @@ class EpochBatches:
         )
         return RowGroupReader(
             list(inputs.train_dirs),
-            columns=COLUMNS,
+            columns=TRAINING_COLUMNS,
             batch_size=config.micro_batch_size,
             seed=config.data_seed,
             epoch=epoch,
@@ -55,7 +54,7 @@ class EpochBatches:
         for _ in range(2):
             batch = next(self._iterator, None)
             if batch is not None:
-                return {name: torch.from_numpy(batch[name]).long() for name in COLUMNS}
+                return {name: torch.from_numpy(batch[name]).long() for name in TRAINING_COLUMNS}
             self._accumulate_stats()
             self._reader.close()
             self.epoch += 1

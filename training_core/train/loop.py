@@ -8,12 +8,12 @@ import json
 import logging
 import os
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from training_core.train.batches import EpochBatches
 from training_core.train.checkpointing import (
     MODEL_DIR,
     TrainingProgress,
@@ -94,8 +94,6 @@ def train_loop_per_worker(loop_config: dict) -> None:
         torch.manual_seed(config.seed + rank)
     progress.world_size = world_size
 
-    from training_core.train.batches import EpochBatches
-
     batches = EpochBatches(inputs, config, rank, world_size, progress.epoch, loader_state)
     hf_config = getattr(engine.module, "config", None)
     flops_per_token = model_flops_per_token(
@@ -110,21 +108,17 @@ def train_loop_per_worker(loop_config: dict) -> None:
     while progress.step < config.max_steps and not progress.finished:
         step_loss = 0.0
         for _ in range(config.gradient_accumulation_steps):
-            started = time.perf_counter()
-            batch = batches.next()
+            with timer.phase("data_wait"):
+                batch = batches.next()
             if batch is None:  # max_epochs reached
                 progress.finished = True
                 break
-            timer.add("data_wait", time.perf_counter() - started)
-            started = time.perf_counter()
-            loss = engine(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-            timer.add("forward", time.perf_counter() - started)
-            started = time.perf_counter()
-            engine.backward(loss)
-            timer.add("backward", time.perf_counter() - started)
-            started = time.perf_counter()
-            engine.step()
-            timer.add("optimizer", time.perf_counter() - started)
+            with timer.phase("forward"):
+                loss = engine(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            with timer.phase("backward"):
+                engine.backward(loss)
+            with timer.phase("optimizer"):
+                engine.step()  # DeepSpeed steps the optimizer only at accumulation boundaries
             step_loss += loss.detach().float() / config.gradient_accumulation_steps
             timer.tokens += batch["input_ids"].numel()
         if progress.finished:

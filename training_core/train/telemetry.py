@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -28,8 +30,14 @@ class StepTimer:
     tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
 
-    def add(self, phase: str, seconds: float) -> None:
-        setattr(self, f"{phase}_s", getattr(self, f"{phase}_s") + seconds)
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Add the wall time of the block to `<name>_s` (data_wait, forward, backward, optimizer)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, f"{name}_s", getattr(self, f"{name}_s") + time.perf_counter() - started)
 
     def summary(self, flops_per_token: float, preset: str, world_size: int) -> dict:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
