@@ -243,14 +243,22 @@ def run_tessera(inputs: BenchInputs, name: str, sizes: Sizes, storage: Path, out
         phase: (long["telemetry"][f"{phase}_s"] - short["telemetry"][f"{phase}_s"]) / n
         for phase in ("data_wait", "forward", "backward", "optimizer")
     }
-    phases["other"] = s_per_step - sum(phases.values())  # loss all_reduce, bookkeeping
+    phases["other"] = s_per_step - sum(phases.values())  # bookkeeping
+    # Wall minus the step thread's CPU time: where it blocked (collectives, in backward/optimizer).
+    blocked = {phase: (long["telemetry"].get(f"{phase}_blocked_s", 0.0) - short["telemetry"].get(f"{phase}_blocked_s", 0.0)) / n
+               for phase in ("forward", "backward", "optimizer")}
+    startup_split = {key.removeprefix("startup_").removesuffix("_s"): value
+                     for key, value in long["telemetry"].items() if key.startswith("startup_")}
+    startup_split["final_checkpoint_and_teardown"] = long["startup_s"] - sum(startup_split.values())
     workers = TESSERA_CONFIGS[name]["num_workers"]
     return {
         "s_per_step": s_per_step,
         "s_per_step_including_warmup": long["loop_s"] / (sizes.warmup_steps + n),
         "samples_per_s": MICRO_BATCH * workers / s_per_step,
         "phases_s_per_step": phases,
+        "blocked_s_per_step": blocked,
         "startup_s": long["startup_s"],
+        "startup_split_s": startup_split,
         "startup_s_short_run": short["startup_s"],
         "shm_op_rebuilt": {"short": short["shm_op_rebuilt"], "long": long["shm_op_rebuilt"]},
         "wall_s": {"short": short["wall_s"], "long": long["wall_s"]},
@@ -344,6 +352,50 @@ def run_plain_subprocesses(sizes: Sizes, count: int = 2) -> list[dict]:
     return results
 
 
+def measure_gloo(rank: int, port: int, elements: int, repeats: int = 500) -> dict:
+    """Microseconds per gloo collective between two single-threaded processes on this machine, for
+    the sizes a ZeRO-2 LoRA step sends: the gradient all-reduce, the grad-norm all-reduce (1
+    element) and the parameter all-gather. Their sum is the floor a 2-worker step pays over 1."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    gradient, norm = torch.zeros(elements), torch.zeros(1)
+    gathered, shard = torch.zeros(elements), torch.zeros(elements // 2)
+    operations = {
+        "all_reduce_gradients": lambda: dist.all_reduce(gradient),
+        "all_reduce_norm": lambda: dist.all_reduce(norm),
+        "all_gather_parameters": lambda: dist.all_gather_into_tensor(gathered, shard),
+    }
+    result = {}
+    for name, operation in operations.items():
+        for _ in range(20):
+            operation()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            operation()
+        result[name] = 1e6 * (time.perf_counter() - started) / repeats
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def gloo_latency_probe(elements: int) -> dict:
+    port = 29000 + os.getpid() % 1000
+    command = [sys.executable, "-m", "bench.training", "--measure-gloo", f"--gloo-port={port}",
+               f"--gloo-elements={elements}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes = [subprocess.Popen([*command, f"--gloo-rank={rank}"], cwd=BENCH_DIR.parent, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for rank in (0, 1)]
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+    if any(process.returncode != 0 for process in processes):
+        raise RuntimeError("gloo latency probe failed")
+    microseconds = json.loads(outputs[0].strip().splitlines()[-1])
+    return {"elements": elements, "us_per_collective": microseconds,
+            "us_per_zero2_step": sum(microseconds.values())}
+
+
 def _burn(seconds: float) -> float:
     started, cpu = time.perf_counter(), time.process_time()
     while time.perf_counter() - started < seconds:
@@ -394,6 +446,8 @@ def run(output_dir: Path, quick: bool = False) -> dict:
     finally:
         ray.shutdown()
     machine["cpu_share_2_busy_processes_at_end"] = cpu_share_probe()
+    trainable = details.get("tessera_1w_zero2", {}).get("telemetry", {}).get("trainable_parameters")
+    machine["gloo_2_processes"] = gloo_latency_probe(int(trainable or 69632))
     machine["load_average_1m_at_end"] = os.getloadavg()[0]
 
     plain_runs = [details["plain"]["s_per_step"], details["plain_repeat"]["s_per_step"]]
@@ -421,6 +475,8 @@ def run(output_dir: Path, quick: bool = False) -> dict:
         },
         "plain_s_per_step_runs": plain_runs,
         "phases_s_per_step": {n: details[n]["phases_s_per_step"] for n in TESSERA_CONFIGS if n in details},
+        "blocked_s_per_step": {n: details[n]["blocked_s_per_step"] for n in TESSERA_CONFIGS if n in details},
+        "startup_split_s": {n: details[n]["startup_split_s"] for n in TESSERA_CONFIGS if n in details},
         "errors": errors,
         "setup": {"layers": LAYERS, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "heads": HEADS, "vocab": VOCAB,
                   "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "lora_r": LORA_R,
@@ -451,7 +507,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--measure-plain", action="store_true", help=argparse.SUPPRESS)  # child of the ceiling run
     parser.add_argument("--warmup-steps", type=int, default=FULL.warmup_steps, help=argparse.SUPPRESS)
     parser.add_argument("--measured-steps", type=int, default=FULL.measured_steps, help=argparse.SUPPRESS)
+    parser.add_argument("--measure-gloo", action="store_true", help=argparse.SUPPRESS)  # child of the gloo probe
+    parser.add_argument("--gloo-rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-port", type=int, default=29500, help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-elements", type=int, default=69632, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.measure_gloo:
+        print(json.dumps(measure_gloo(args.gloo_rank, args.gloo_port, args.gloo_elements)))
+        return
     if args.measure_plain:
         measured = run_plain(prepare_inputs(DATA_ROOT), Sizes(args.warmup_steps, args.measured_steps))
         print(json.dumps({k: v for k, v in measured.items() if k != "loss_history"}))

@@ -9,7 +9,10 @@ from training_core.train.config import TrainingConfig
 def build_deepspeed_config(config: TrainingConfig, world_size: int) -> dict:
     zero: dict = {"stage": config.zero_stage}
     if config.zero_stage >= 2:
-        zero.update(overlap_comm=False, contiguous_gradients=True, reduce_scatter=True)
+        # A contiguous gradient buffer avoids fragmentation when the gradients are most of the
+        # memory (full fine-tuning). With LoRA they are well under 1 % of it, and the copy into the
+        # buffer costs a hook per parameter per step (1.2 ms of a 12.6 ms CPU step, measured).
+        zero.update(overlap_comm=False, contiguous_gradients=config.method == "full", reduce_scatter=True)
     if config.offload_optimizer == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": config.use_gpu}
     if config.zero_stage == 3:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def run_training(
         fault_step=int(fault_step) if fault_step else None,
         fault_marker=str(storage_path / run_name / "fault-injected") if fault_step else None,
         run_directory=str(storage_path / run_name),
+        launched_at=time.time(),
     )
     # Ray Train's controller polls workers at this interval; the default adds seconds to every
     # run's shutdown. Read from the driver's environment when the trainer starts.

@@ -29,15 +29,21 @@ class StepTimer:
     steps: int = 0
     tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
+    # Wall minus this thread's CPU time, per phase: on CPU, where the step thread blocks. In
+    # backward and optimizer that is mostly waiting on collectives (gradient reduce, all-gather).
+    blocked_s: dict[str, float] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Add the wall time of the block to `<name>_s` (data_wait, forward, backward, optimizer)."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             setattr(self, f"{name}_s", getattr(self, f"{name}_s") + time.perf_counter() - started)
+            self.blocked_s[name] = self.blocked_s.get(name, 0.0) + (
+                time.perf_counter() - started - (time.thread_time() - cpu_started)
+            )
 
     def summary(self, flops_per_token: float, preset: str, world_size: int) -> dict:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
@@ -46,7 +52,8 @@ class StepTimer:
         achieved = tokens_per_s * flops_per_token
         peak = PEAK_FLOPS.get(preset)
         result = {
-            **{k: v for k, v in asdict(self).items() if k.endswith("_s")},
+            **{k: v for k, v in asdict(self).items() if k.endswith("_s") and k != "blocked_s"},
+            **{f"{phase}_blocked_s": seconds for phase, seconds in self.blocked_s.items()},
             "steps": self.steps,
             "elapsed_s": elapsed,
             "tokens_per_s": tokens_per_s,
@@ -58,6 +65,22 @@ class StepTimer:
         if peak:
             result["mfu"] = achieved / (peak * world_size)
         return result
+
+
+class StartupClock:
+    """Wall-clock marks from the driver's launch to the first step, as `startup_<phase>_s` durations.
+
+    `time.time()` rather than a monotonic clock because the launch mark is taken in the driver
+    process; on one machine (or NTP-synced nodes) the split is accurate to milliseconds."""
+
+    def __init__(self, launched_at: float | None) -> None:
+        self._last = launched_at if launched_at is not None else time.time()
+        self.durations: dict[str, float] = {}
+
+    def mark(self, phase: str, at: float | None = None) -> None:
+        now = time.time() if at is None else at
+        self.durations[f"startup_{phase}_s"] = now - self._last
+        self._last = now
 
 
 def peak_memory_mb() -> float:

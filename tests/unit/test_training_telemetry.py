@@ -1,0 +1,118 @@
+"""Our own bookkeeping around the training loop: start-up split, blocked time, core pinning,
+the per-report loss reduction and the DeepSpeed start-up stand-ins."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from training_core.train.checkpointing import TrainingProgress
+from training_core.train.deepspeed_config import build_deepspeed_config
+from training_core.train.config import TrainingConfig
+from training_core.train.loop import _append_mean_losses, _pin_to_own_cores
+from training_core.train.telemetry import StartupClock, StepTimer
+
+
+def test_startup_clock_splits_from_the_launch_mark():
+    clock = StartupClock(launched_at=100.0)
+    clock.mark("ray_worker_group", at=103.0)
+    clock.mark("model_load", at=104.5)
+    assert clock.durations == {"startup_ray_worker_group_s": 3.0, "startup_model_load_s": 1.5}
+
+
+def test_step_timer_counts_a_blocked_phase_as_blocked():
+    timer = StepTimer()
+    never_set = threading.Event()
+    with timer.phase("backward"):
+        never_set.wait(timeout=0.05)  # blocks without CPU, like a thread waiting on a collective
+    assert timer.backward_s >= 0.05
+    assert 0.8 * timer.backward_s <= timer.blocked_s["backward"] <= timer.backward_s
+    summary = timer.summary(flops_per_token=1.0, preset="cpu", world_size=1)
+    assert summary["backward_blocked_s"] == timer.blocked_s["backward"]
+
+
+def _affinity_after_pinning(*args) -> set[int]:
+    seen: list[set[int]] = []
+
+    def pin_and_read() -> None:  # in its own thread: sched_setaffinity(0) pins the calling thread only
+        _pin_to_own_cores(*args)
+        seen.append(os.sched_getaffinity(0))
+
+    thread = threading.Thread(target=pin_and_read)
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_each_local_rank_gets_its_own_cores():
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        pytest.skip("needs 2 usable cores")
+    assert _affinity_after_pinning(0, 2, 1) == {usable[0]}
+    assert _affinity_after_pinning(1, 2, 1) == {usable[1]}
+    # More ranks than cores: leave the scheduler alone rather than stack ranks on one core.
+    assert _affinity_after_pinning(0, len(usable) + 1, 1) == set(usable)
+
+
+@pytest.fixture()
+def single_process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_losses_since_the_last_report_are_appended_with_their_step_numbers(single_process_group):
+    progress = TrainingProgress(step=12, loss_history=[(10, 2.0)])
+    pending = [torch.tensor(1.5), torch.tensor(1.25)]
+    _append_mean_losses(progress, pending, world_size=1)
+    assert progress.loss_history == [(10, 2.0), (11, 1.5), (12, 1.25)]
+    assert pending == []
+    _append_mean_losses(progress, pending, world_size=1)  # nothing new: nothing appended
+    assert len(progress.loss_history) == 3
+
+
+def test_contiguous_gradient_buffer_only_for_full_fine_tuning():
+    zero = lambda method: build_deepspeed_config(  # noqa: E731
+        TrainingConfig(method=method, zero_stage=2), world_size=1)["zero_optimization"]
+    assert zero("full")["contiguous_gradients"] is True
+    assert zero("lora")["contiguous_gradients"] is False
+
+
+def test_zero2_step_runs_without_importing_muon_or_inductor(tmp_path):
+    """The Muon stand-ins keep Inductor out of a ZeRO-2 worker (1 s of start-up) and training works."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500),
+                          RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        import torch, deepspeed
+        from training_core.train.deepspeed_startup import skip_unused_deepspeed_startup
+        skip_unused_deepspeed_startup(use_gpu=False)
+        deepspeed.init_distributed(dist_backend="gloo")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1),
+            config={{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "train_batch_size": 4,
+                     "zero_optimization": {{"stage": 2, "contiguous_gradients": False}},
+                     "zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True}},
+            dist_init_required=False)
+        x = torch.randn(4, 8)
+        losses = []
+        for _ in range(5):
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0], losses
+        assert "torch._inductor.compile_fx" not in sys.modules
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
