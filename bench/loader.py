@@ -35,6 +35,10 @@ BATCH_SIZE, TOKENS, ROW_GROUP_ROWS, FILES = 256, 256, 2000, 4
 DEMAND_ROWS_PER_S = 128_000
 SLOW_STORE = {"bandwidth_bytes_per_s": 50e6, "latency_s": 0.010}
 CACHE_QUOTA = 8 * 2**30
+# Tessera decodes with one thread per core: on this VM more decode threads than cores cost CPU
+# (each thread's allocator heap faults in and purges its own fresh pages); 1/2/4 give the same order.
+TESSERA_WORKERS = os.cpu_count() or 2
+PETASTORM_WORKERS = (2, 4)
 
 
 def make_dataset(rows: int, directory: Path) -> Path:
@@ -122,7 +126,9 @@ def measure_dataset(rows: int, directory: str) -> dict:
 
 
 def measure_tessera(data: str, cache_dir: str, passes: int = 1, warmup: int = 0, clear_cache: bool = False,
-                    slow_store: bool = False, demand_rows_per_s: float | None = None, workers: int = 4) -> dict:
+                    slow_store: bool = False, demand_rows_per_s: float | None = None,
+                    workers: int = TESSERA_WORKERS,
+                    use_cache: bool = True) -> dict:
     from training_core.data import CacheConfig, RowGroupReader
 
     if clear_cache:
@@ -130,7 +136,7 @@ def measure_tessera(data: str, cache_dir: str, passes: int = 1, warmup: int = 0,
     filesystem = slow_filesystem(**SLOW_STORE) if slow_store else None
     began = time.perf_counter()
     reader = RowGroupReader(data, batch_size=BATCH_SIZE, seed=0, workers=workers, filesystem=filesystem,
-                            cache=CacheConfig(cache_dir, CACHE_QUOTA))
+                            cache=CacheConfig(cache_dir, CACHE_QUOTA) if use_cache else None)
     open_s = time.perf_counter() - began
     rates, stalls, first_batch_s, first_wait_s, cpu_s = [], [], [], [], []
     for index in range(warmup + passes):
@@ -161,9 +167,16 @@ def measure_tessera(data: str, cache_dir: str, passes: int = 1, warmup: int = 0,
 
 
 def measure_raw(data: str) -> dict:
-    """Single thread: every row group via ``ParquetFile.read_row_group`` → 2-D NumPy."""
+    """Single thread: every row group via ``ParquetFile.read_row_group`` → 2-D NumPy.
+
+    One-time process costs stay out of the timing, as they do for Tessera: ``pyarrow.compute`` is
+    imported first, and pyarrow's first ``to_numpy`` (which imports pandas, ~0.13 s; Tessera's
+    conversion does not call it) runs once on a tiny array before the clock starts."""
+    import pyarrow as pa
     import pyarrow.compute  # noqa: F401 - imported before timing, as Tessera's modules do
     import pyarrow.parquet as pq
+
+    pa.array([0], pa.int32()).to_numpy(zero_copy_only=False)
 
     rows, began, cpu_began = 0, time.perf_counter(), time.process_time()
     for path in sorted(Path(data).glob("*.parquet")):
@@ -245,15 +258,21 @@ def ensure_petastorm_venv() -> Path:
 
 
 def measure_petastorm(data: Path, cache_dir: Path, passes: int) -> dict:
+    """Petastorm at its best: thread pools of 2 and 4 workers, the faster warm result is kept."""
     python = ensure_petastorm_venv()
-    shutil.rmtree(cache_dir, ignore_errors=True)
-    done = subprocess.run(
-        [str(python), "-W", "ignore", str(BENCH_DIR / "petastorm_baseline.py"), str(data), str(cache_dir),
-         "--passes", str(passes)], capture_output=True, text=True, timeout=900, check=True,
-    )
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    logger.info("petastorm → %s", result)
-    return result
+    results = []
+    for workers in PETASTORM_WORKERS:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        done = subprocess.run(
+            [str(python), "-W", "ignore", str(BENCH_DIR / "petastorm_baseline.py"), str(data), str(cache_dir),
+             "--passes", str(passes), "--workers", str(workers)], capture_output=True, text=True, timeout=900,
+            check=True,
+        )
+        result = {**json.loads(done.stdout.strip().splitlines()[-1]), "workers": workers}
+        logger.info("petastorm → %s", result)
+        results.append(result)
+    best = max(results, key=lambda item: item["warm_rows_per_s"])
+    return {**best, "fill_rows_per_s": max(item["fill_rows_per_s"] for item in results), "all": results}
 
 
 def plot(rows_per_s: dict[str, float | None], path: Path) -> None:
@@ -288,6 +307,7 @@ def run(output_dir: Path, quick: bool = False) -> dict:
     r: dict[str, dict] = {}
     r["pyarrow_raw"] = _subprocess("raw", data=str(base))
     r["tessera_cold"] = _subprocess("tessera", data=str(base), cache_dir=cache, clear_cache=True)
+    r["tessera_no_cache"] = _subprocess("tessera", data=str(base), cache_dir=cache, use_cache=False)
     r["tessera_warm"] = _subprocess("tessera", data=str(base), cache_dir=cache, warmup=1, passes=passes)
     r["stall"] = _subprocess("tessera", data=str(base), cache_dir=cache, demand_rows_per_s=DEMAND_ROWS_PER_S)
     r["tessera_slow_store_cold"] = _subprocess("tessera", data=str(base), cache_dir=slow_cache, clear_cache=True,
@@ -305,7 +325,7 @@ def run(output_dir: Path, quick: bool = False) -> dict:
     except (subprocess.SubprocessError, OSError) as error:
         logger.error("petastorm baseline failed: %s", error)
         r["petastorm_warm"] = {"rows_per_s": None, "error": str(error)}
-    names = ["tessera_cold", "tessera_warm", "petastorm_warm", "ray_data", "pyarrow_raw",
+    names = ["tessera_cold", "tessera_no_cache", "tessera_warm", "petastorm_warm", "ray_data", "pyarrow_raw",
              "tessera_slow_store_cold", "tessera_slow_store_warm", "tessera_warm_5x"]
     rates = {name: r[name]["rows_per_s"] for name in names}
     ratio = lambda a, b: (rates[a] / rates[b]) if rates.get(a) and rates.get(b) else None  # noqa: E731
@@ -316,16 +336,21 @@ def run(output_dir: Path, quick: bool = False) -> dict:
                         r["tessera_warm_5x"]["peak_rss_mb"]},
         "stall_fraction": r["stall"]["stall_fraction"],
         "stall_detail": {key: r["stall"][key] for key in ("stall_fraction_after_first_batch", "time_to_first_batch_s")},
+        "cold_cache_fill": {key: r["tessera_cold"]["stats"][key] for key in ("cache_misses", "cache_dropped")},
         "order_identical_across_workers": r["order"]["identical"],
         "ratios": {
             "warm_vs_petastorm_warm": ratio("tessera_warm", "petastorm_warm"),
+            "warm_vs_petastorm_fill": (rates["tessera_warm"] / r["petastorm_warm"]["fill_rows_per_s"]
+                                       if r["petastorm_warm"].get("fill_rows_per_s") else None),
+            "no_cache_vs_pyarrow_raw": ratio("tessera_no_cache", "pyarrow_raw"),
             "cold_vs_pyarrow_raw": ratio("tessera_cold", "pyarrow_raw"),
             "cold_vs_ray_data": ratio("tessera_cold", "ray_data"),
             "slow_store_warm_vs_cold": ratio("tessera_slow_store_warm", "tessera_slow_store_cold"),
             "warm_5x_vs_warm": ratio("tessera_warm_5x", "tessera_warm"),
         },
         "setup": {"rows": rows, "rows_5x": 5 * rows, "files": FILES, "row_group_rows": ROW_GROUP_ROWS,
-                  "tokens": TOKENS, "batch_size": BATCH_SIZE, "workers": 4, "warm_passes": passes,
+                  "tokens": TOKENS, "batch_size": BATCH_SIZE, "workers": TESSERA_WORKERS,
+                  "petastorm_workers": list(PETASTORM_WORKERS), "warm_passes": passes,
                   "demand_rows_per_s": DEMAND_ROWS_PER_S, "slow_store": SLOW_STORE, "cpus": os.cpu_count(),
                   "quick": quick},
         "details": r,

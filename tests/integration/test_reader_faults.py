@@ -193,3 +193,49 @@ def test_fsspec_memory_filesystem_instance(tmp_path):
     finally:
         memory.rm("/faults", recursive=True)
     assert sorted(ids.tolist()) == list(range(120))
+
+
+def test_cache_writer_thread_stops_with_the_iterator_and_flushes(tmp_path):
+    data = write_dataset(tmp_path / "d", rows=4000, row_group_size=100)
+    cache = CacheConfig(tmp_path / "cache", 2**26, shards=2)
+    reader = RowGroupReader(data, batch_size=10, workers=2, prefetch_batches=2, cache=cache)
+    iterator = iter(reader)
+    next(iterator)
+    assert f"tessera-reader-{reader._id}-cache-writer" in reader_threads(reader)
+    del iterator  # abandoned mid-epoch: the writer stores what it was given, then exits
+    gc.collect()
+    assert reader_threads(reader) == []
+    stored = reader.stats
+    assert stored.cache_misses > 0 and stored.cache_dropped == 0
+    with RowGroupReader(data, batch_size=10, workers=2, cache=cache) as again:
+        next(iter(again))
+        assert again.stats.cache_hits > 0, "what the abandoned reader decoded was stored"
+    reader.close()
+    assert reader_threads(reader) == []
+
+
+def test_cold_pass_entries_are_all_present_after_close(tmp_path):
+    data = write_dataset(tmp_path / "d", rows=4000, row_group_size=100)  # 40 row groups, ~1 MB: never dropped
+    cache = CacheConfig(tmp_path / "cache", 2**26, shards=2)
+    with RowGroupReader(data, batch_size=64, workers=4, cache=cache) as cold:
+        expected = np.concatenate([batch["id"] for batch in cold])
+        assert cold.stats.cache_misses == 40 and cold.stats.cache_dropped == 0
+    assert reader_threads(cold) == []
+    with RowGroupReader(data, batch_size=64, workers=3, cache=cache) as warm:
+        assert np.array_equal(np.concatenate([batch["id"] for batch in warm]), expected)
+        assert warm.stats.cache_hits == 40 and warm.stats.cache_misses == 0
+
+
+def test_full_write_queue_drops_entries_counts_them_and_keeps_the_order(tmp_path):
+    data = write_dataset(tmp_path / "d", rows=4000, row_group_size=100)
+    tiny = CacheConfig(tmp_path / "cache", 2**26, shards=2, write_queue_bytes=1)  # at most one pending store
+    reference = RowGroupReader(data, batch_size=64, seed=5)
+    expected = np.concatenate([batch["id"] for batch in reference])
+    reference.close()
+    with RowGroupReader(data, batch_size=64, seed=5, cache=tiny) as cold:
+        assert np.array_equal(np.concatenate([batch["id"] for batch in cold]), expected)
+        stats = cold.stats
+    assert stats.cache_misses == 40 and stats.cache_dropped < 40
+    with RowGroupReader(data, batch_size=64, seed=5, cache=tiny) as warm:
+        assert np.array_equal(np.concatenate([batch["id"] for batch in warm]), expected)
+        assert warm.stats.cache_hits == 40 - stats.cache_dropped, "exactly the dropped entries are re-read"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +14,8 @@ import pytest
 
 from training_core.data import CacheConfig, CacheWarmReport, RowGroupReader, cache_version, warm_cache
 from training_core.data.cache import (
+    BufferPool,
+    CacheWriter,
     CorruptEntryError,
     RowGroupCache,
     decode_payload,
@@ -178,3 +181,79 @@ def test_warm_cache_reports_and_versions(tmp_path):
     with RowGroupReader(data, columns=["id"], cache=config) as reader:
         assert sum(len(b["id"]) for b in reader) == 300
         assert reader.stats.cache_hits == 5 and reader.stats.cache_misses == 0
+
+
+class _GatedCache(RowGroupCache):
+    """A cache whose stores wait for ``gate`` (a slow disk), announcing each one on ``entered``."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        super().__init__(config)
+        self.entered, self.gate = threading.Semaphore(0), threading.Event()
+
+    def put(self, key, arrays) -> bool:
+        self.entered.release()
+        assert self.gate.wait(timeout=30)
+        return super().put(key, arrays)
+
+
+def test_background_writer_stores_everything_queued_before_close(tmp_path):
+    config = CacheConfig(tmp_path / "c", 2**26, shards=2)
+    cache = RowGroupCache(config)
+    writer = CacheWriter(cache, "tessera-reader-test", max_pending_bytes=2**26)
+    for i in range(6):
+        assert writer.submit(f"k{i}", entry(i))
+    writer.close()
+    assert not any(t.name == "tessera-reader-test-cache-writer" for t in threading.enumerate())
+    assert len(cache) == 6 and cache.counters.dropped == 0
+    assert cache.get("k5", "k5")[0]["x"][0, 0] == 5
+    assert not writer.submit("late", entry(9)) and cache.counters.dropped == 1, "a closed writer stores nothing"
+    cache.close()
+
+
+def test_background_writer_drops_rather_than_blocks_when_full(tmp_path):
+    cache = _GatedCache(CacheConfig(tmp_path / "c", 2**26, shards=1))
+    one = sum(a.nbytes for a in entry(0).values())
+    writer = CacheWriter(cache, "tessera-reader-test", max_pending_bytes=2 * one)
+    assert writer.submit("k0", entry(0))
+    assert cache.entered.acquire(timeout=30)  # the writer is now inside put("k0"), still pending
+    assert writer.submit("k1", entry(1))  # two row groups' worth pending: full
+    assert not writer.submit("k2", entry(2)) and not writer.submit("k3", entry(3))
+    assert cache.counters.dropped == 2
+    cache.gate.set()
+    writer.close()
+    assert len(cache) == 2 and cache.get("k1", "k1") is not None and cache.get("k2", "k2") is None
+    cache.close()
+
+
+def test_pooled_hits_read_into_reused_buffers_without_aliasing_ragged_rows(tmp_path):
+    cache = RowGroupCache(CacheConfig(tmp_path / "c", 2**26, shards=1))
+    columns = {**entry(3), "ragged": sample_columns()["ragged"]}
+    cache.put("k", columns)
+    buffers = BufferPool()
+    views, logical, buffer = cache.get_pooled("k", "k", buffers)
+    assert buffer is not None and np.shares_memory(views["x"], buffer)
+    assert not any(np.shares_memory(row, buffer) for row in views["ragged"])
+    ragged = [row.copy() for row in views["ragged"]]
+    buffers.release(buffer)
+    again = cache.get_pooled("k", "k", buffers)
+    assert again[2] is buffer, "a released buffer is reused"
+    buffer[:] = 0  # whatever overwrites the buffer later, the ragged rows handed out stay intact
+    assert [r.tolist() for r in views["ragged"]] == [r.tolist() for r in ragged]
+    cache.close()
+
+
+def test_located_entries_fall_back_when_evicted_by_another_handle(tmp_path):
+    config = CacheConfig(tmp_path / "c", 2**26, shards=2)
+    cache, other = RowGroupCache(config), RowGroupCache(config)
+    for i in range(3):
+        cache.put(f"k{i}", entry(i))
+    assert cache.locate(["k0", "k1", "k2", "absent"]) == 3
+    other._cache.delete("k1")  # another process evicts k1 after we located it
+    other.put("k2", entry(22))  # ... and rewrites k2 (new file, old one deleted)
+    buffers = BufferPool()
+    assert cache.get_pooled("k0", "k0", buffers)[0]["x"][0, 0] == 0
+    assert cache.get_pooled("k1", "k1", buffers) is None
+    assert cache.get_pooled("k2", "k2", buffers)[0]["x"][0, 0] == 22
+    assert cache.counters.corruptions == 0 and cache.counters.misses == 1
+    cache.close()
+    other.close()

@@ -253,3 +253,28 @@ def test_transform_runs_and_is_part_of_the_cache_key(ids_dataset, tmp_path):
     assert np.array_equal(doubled, plain * 2)
     again, stats = read(double, "double-v1")
     assert stats.cache_misses == 0 and np.array_equal(again, doubled)
+
+
+def test_gathered_first_window_equals_the_scattered_window():
+    from training_core.data.workers import GatheredWindow, assemble_window
+
+    rng = np.random.default_rng(4)
+    ragged = np.empty(5, dtype=object)
+    ragged[:] = [np.arange(i, dtype=np.int16) for i in range(5)]
+    parts = [
+        {"id": np.arange(7, dtype=np.int64), "tok": rng.integers(0, 9, (7, 3)).astype(np.uint8),
+         "text": np.array([f"a{i}" for i in range(7)], dtype=object), "r": np.concatenate([ragged, ragged[:2]])},
+        {"id": np.arange(7, 12, dtype=np.int64), "tok": rng.integers(0, 9, (5, 3)).astype(np.uint8),
+         "text": np.array([f"b{i}" for i in range(5)], dtype=object), "r": ragged},
+    ]
+    dtypes = [{"id": np.dtype(np.int64), "tok": np.dtype(np.int32), "text": np.dtype(object), "r": np.dtype(object)}] * 2
+    order = rng.permutation(12)
+    inverse = np.empty(12, dtype=np.int64)
+    inverse[order] = np.arange(12)
+    whole = assemble_window(parts, inverse, dtypes)
+    gathered = GatheredWindow(parts, dtypes, [7, 5], order)
+    for lo, hi in [(0, 12), (0, 1), (3, 8), (11, 12), (5, 5)]:
+        rows = gathered.rows(lo, hi)
+        for name in whole:
+            assert rows[name].dtype == whole[name].dtype
+            assert [np.asarray(x).tolist() for x in rows[name]] == [np.asarray(x).tolist() for x in whole[name][lo:hi]]

@@ -1,36 +1,40 @@
 """Local disk cache of decoded row groups (``diskcache.FanoutCache``) with a hard size quota.
 
-Entry = one decoded row group as raw contiguous NumPy buffers behind a small JSON header, with a
-CRC-32 over everything after the checksum field; reading it back is ``np.frombuffer`` views, no
-unpickling. Integer columns are stored in the narrowest integer type that holds their values
+Entry = one decoded row group as raw contiguous NumPy buffers behind a small JSON header, with an
+XXH3-64 checksum over everything after the prefix; reading it back is ``np.frombuffer`` views (into
+a reused buffer, see :class:`BufferPool`), no unpickling. Integer columns are stored in the narrowest integer type that holds their values
 (lossless; token ids of a vocabulary < 65 536 take 2 bytes instead of 4), which halves the bytes
 written, checksummed and read; the header keeps the logical dtype, restored when rows are copied
 into the shuffle window. Key = (payload format, file path + size + mtime, row group, columns, transform version),
 so a rewritten file never serves stale rows. The quota is enforced per shard inside a SQLite
 ``BEGIN IMMEDIATE`` transaction (check volume → evict or refuse → insert), which is atomic across
 processes sharing the directory; diskcache's own culling is switched off (``cull_limit=0``).
+Readers store entries from a background :class:`CacheWriter` thread (bounded queue, drops rather
+than blocks), so encoding, checksumming and writing stay off the decode path.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import pickle
 import struct
 import threading
-import zlib
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import diskcache
 import numpy as np
+import xxhash
 
 logger = logging.getLogger(__name__)
 
-PAYLOAD_FORMAT = 1
-MAGIC = b"TSRG"
-_PREFIX = struct.Struct("<4sII")  # magic, crc32 of the rest, header length
+PAYLOAD_FORMAT = 2  # 2: XXH3-64 checksum (1 was CRC-32); part of every key, so old entries are never read
+MAGIC = b"TSR2"
+_PREFIX = struct.Struct("<4sIQ")  # magic, header length, xxh3_64 of everything after the prefix
 _ALIGN = 64
 _SQLITE_SLACK = 16 * 1024  # room for the new row and index pages
 
@@ -46,6 +50,9 @@ class CacheConfig:
     ``policy="evict"`` drops the least recently stored entries to admit a new one;
     ``policy="stop_admitting"`` keeps what is there and stops storing at the quota. The quota is
     split evenly over ``shards`` (an entry larger than ``size_limit_bytes / shards`` is never stored).
+    ``write_queue_bytes`` bounds the decoded row groups waiting for the reader's background cache
+    writer; when it is full a row group is not stored (counted in ``cache_dropped``) rather than
+    making decoding wait. ``0`` stores every entry synchronously on the decode thread.
     """
 
     directory: str | Path
@@ -53,6 +60,7 @@ class CacheConfig:
     policy: Literal["evict", "stop_admitting"] = "evict"
     shards: int = 4
     timeout_s: float = 5.0
+    write_queue_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         if self.size_limit_bytes <= 0:
@@ -61,6 +69,8 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.policy must be 'evict' or 'stop_admitting', got {self.policy!r}")
         if self.shards < 1:
             raise ValueError(f"CacheConfig.shards must be >= 1, got {self.shards}")
+        if self.write_queue_bytes < 0:
+            raise ValueError(f"CacheConfig.write_queue_bytes must be >= 0, got {self.write_queue_bytes}")
 
 
 def _aligned(offset: int) -> int:
@@ -117,11 +127,11 @@ def encode_chunks(arrays: dict[str, np.ndarray]) -> list:
     header = json.dumps({"format": PAYLOAD_FORMAT, "columns": columns}).encode()
     head_end = _PREFIX.size + len(header)
     padding = bytes(_aligned(head_end) - head_end)
-    crc = zlib.crc32(header)
-    crc = zlib.crc32(padding, crc)
+    hasher = xxhash.xxh3_64(header)
+    hasher.update(padding)
     for buffer in buffers:
-        crc = zlib.crc32(buffer, crc)
-    return [_PREFIX.pack(MAGIC, crc, len(header)), header, padding, *buffers]
+        hasher.update(buffer)
+    return [_PREFIX.pack(MAGIC, len(header), hasher.intdigest()), header, padding, *buffers]
 
 
 _NARROW_TYPES = [np.dtype(t) for t in (np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32)]
@@ -156,16 +166,17 @@ def decode_payload(payload: bytes) -> dict[str, np.ndarray]:
             for name, value in views.items()}
 
 
-def decode_payload_views(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]]:
-    """Columns as stored (dense ones are read-only views into ``payload``) and their logical dtypes."""
+def decode_payload_views(payload: bytes | memoryview) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]]:
+    """Columns as stored (dense ones are views into ``payload``) and their logical dtypes."""
+    payload = memoryview(payload).cast("B")
     if len(payload) < _PREFIX.size:
         raise CorruptEntryError(f"entry of {len(payload)} bytes is shorter than its prefix")
-    magic, crc, header_len = _PREFIX.unpack_from(payload)
+    magic, header_len, digest = _PREFIX.unpack_from(payload)
     if magic != MAGIC or _PREFIX.size + header_len > len(payload):
         raise CorruptEntryError("bad magic or header length")
-    if zlib.crc32(memoryview(payload)[_PREFIX.size :]) != crc:
+    if xxhash.xxh3_64_intdigest(payload[_PREFIX.size :]) != digest:
         raise CorruptEntryError("checksum mismatch (corrupt or truncated entry)")
-    header = json.loads(payload[_PREFIX.size : _PREFIX.size + header_len])
+    header = json.loads(bytes(payload[_PREFIX.size : _PREFIX.size + header_len]))
     base = _aligned(_PREFIX.size + header_len)
 
     def view(ref: dict[str, int], dtype: Any = np.uint8) -> np.ndarray:
@@ -187,6 +198,8 @@ def decode_payload_views(payload: bytes) -> tuple[dict[str, np.ndarray], dict[st
             offsets = view(meta["offsets"], np.int64)
             data = view(meta["data"], np.uint8 if kind == "str" else meta["dtype"])
             raw = data.tobytes() if kind == "str" else None
+            if raw is None:
+                data = data.copy()  # the rows are views: they must not point into a reused read buffer
             for i in range(rows):
                 lo, hi = int(offsets[i]), int(offsets[i + 1])
                 result[i] = raw[lo:hi].decode("utf-8") if raw is not None else data[lo:hi]
@@ -213,6 +226,35 @@ class CacheCounters:
     corruptions: int = 0
     rejected: int = 0
     stored_bytes: int = 0
+    dropped: int = 0  # not stored: the background writer's queue was full (or it was closed)
+    write_errors: int = 0
+
+
+class BufferPool:
+    """Reusable read buffers for cache hits.
+
+    A fresh ``bytes`` per hit costs more than the read itself (first touch of new pages); a buffer
+    given back with :meth:`release` is reused by the next hit. The pool never holds more buffers
+    than were out at once (bounded by the row groups in flight).
+    """
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            for i, buffer in enumerate(self._free):
+                if buffer.nbytes >= nbytes:
+                    return self._free.pop(i)
+            if self._free:
+                self._free.pop()  # too small: let it go, a bigger one replaces it
+        return np.empty(max(nbytes, 1), dtype=np.uint8)
+
+    def release(self, buffer: np.ndarray | None) -> None:
+        if buffer is not None:
+            with self._lock:
+                self._free.append(buffer)
 
 
 class RowGroupCache:
@@ -232,6 +274,27 @@ class RowGroupCache:
         self._shard_limit = config.size_limit_bytes // config.shards
         self._lock = threading.Lock()
         self.counters = CacheCounters()
+        self._files: dict[str, str] = {}  # key -> value file, from :meth:`locate`
+
+    def locate(self, keys: Sequence[str]) -> int:
+        """Look up where the value files of ``keys`` are (one query per shard, on this thread), so
+        that hits open the file directly instead of a SQLite connection per decode thread and
+        shard. Safe against concurrent writers: value files are never rewritten in place (diskcache
+        writes a new file and deletes the old one), so a remembered path is either the complete
+        entry or gone, and a missing file falls back to a normal lookup. Returns how many it found."""
+        found: dict[str, str] = {}
+        try:
+            for shard in self._cache._shards:  # pinned diskcache 5.6: Cache table (key, raw, filename)
+                for begin in range(0, len(keys), 500):
+                    chunk = list(keys[begin : begin + 500])
+                    marks = ",".join("?" * len(chunk))
+                    rows = shard._sql(f"SELECT key, filename FROM Cache WHERE raw = 1 AND key IN ({marks})", chunk)
+                    found.update((key, os.path.join(shard.directory, name)) for key, name in rows.fetchall() if name)
+        except Exception as error:  # noqa: BLE001 - only an optimization: hits then take the normal path
+            logger.debug("row-group cache: locating entries failed (%s); using normal lookups", error)
+            found = {}
+        self._files = found
+        return len(found)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -240,19 +303,47 @@ class RowGroupCache:
 
     def get(self, key: str, label: str) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]] | None:
         """``(columns as stored, logical dtypes)`` or None on a miss / corrupt entry."""
-        payload = self._cache.get(key, default=None, retry=True)
-        if payload is None:
+        found = self.get_pooled(key, label, None)
+        return None if found is None else found[:2]
+
+    def get_pooled(
+        self, key: str, label: str, buffers: BufferPool | None
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.dtype], np.ndarray | None] | None:
+        """Like :meth:`get`, reading the entry into a buffer of ``buffers``; the third item is that
+        buffer (dense columns are views into it): give it back with ``buffers.release`` once the
+        columns have been copied out."""
+        found = None
+        path = self._files.get(key) if buffers is not None else None
+        if path is not None:
+            try:
+                found = open(path, "rb")  # noqa: SIM115 - closed below
+            except OSError:  # evicted since :meth:`locate`
+                self._files.pop(key, None)
+        if found is None:
+            found = self._cache.get(key, default=None, read=buffers is not None, retry=True)
+        if found is None:
             self._count(misses=1)
             return None
+        buffer = None
         try:
-            arrays = decode_payload_views(payload)
-        except (CorruptEntryError, ValueError, KeyError, pickle.UnpicklingError) as error:
+            if isinstance(found, (bytes, bytearray, memoryview)):  # small entries live inside SQLite
+                payload = found
+            else:  # an open value file (read=True): read it into a reused buffer
+                with found:
+                    size = os.fstat(found.fileno()).st_size
+                    buffer = buffers.acquire(size)
+                    payload = memoryview(buffer)[: found.readinto(memoryview(buffer)[:size])]
+            arrays, logical = decode_payload_views(payload)
+        except (CorruptEntryError, ValueError, KeyError, pickle.UnpicklingError, OSError) as error:
             logger.warning("cache entry for %s is corrupt (%s); dropping it and re-reading", label, error)
+            self._files.pop(key, None)
+            if buffers is not None:
+                buffers.release(buffer)
             self._cache.delete(key, retry=True)
             self._count(corruptions=1, misses=1)
             return None
         self._count(hits=1)
-        return arrays
+        return arrays, logical, buffer
 
     def put(self, key: str, arrays: dict[str, np.ndarray]) -> bool:
         """Store an entry if the quota allows (after evicting, under ``policy="evict"``)."""
@@ -295,6 +386,64 @@ class RowGroupCache:
 
     def close(self) -> None:
         self._cache.close()
+
+
+class CacheWriter:
+    """Background thread that stores decoded row groups (narrow, checksum, quota'd insert).
+
+    :meth:`submit` never blocks: when the row groups already waiting hold ``max_pending_bytes`` or
+    more, the new one is not stored and counted in ``counters.dropped`` (it is read from Parquet
+    again next time). :meth:`close` stores everything still waiting, then ends the thread, so a
+    reader opened afterwards finds the entries. Each entry is written completely before its row
+    is committed (see :meth:`RowGroupCache.put`), so stopping never leaves a torn entry.
+    """
+
+    def __init__(self, cache: RowGroupCache, name: str, max_pending_bytes: int) -> None:
+        self.cache, self.max_pending_bytes = cache, max_pending_bytes
+        self._pending: deque = deque()
+        self._pending_bytes = 0
+        self._closing = False
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-cache-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: str, arrays: dict[str, np.ndarray]) -> bool:
+        nbytes = sum(array.nbytes for array in arrays.values())
+        with self._wake:
+            if self._closing or (self._pending and self._pending_bytes + nbytes > self.max_pending_bytes):
+                self.cache._count(dropped=1)
+                return False
+            self._pending.append((key, arrays, nbytes))
+            self._pending_bytes += nbytes
+            self._wake.notify()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending and not self._closing:
+                    self._wake.wait()
+                if not self._pending:
+                    return
+                key, arrays, nbytes = self._pending[0]
+            try:
+                self.cache.put(key, arrays)
+            except Exception as error:  # noqa: BLE001 - a failed store only costs a re-read later
+                logger.warning("row-group cache: storing an entry failed: %s: %s", type(error).__name__, error)
+                self.cache._count(write_errors=1)
+            with self._wake:
+                self._pending.popleft()
+                self._pending_bytes -= nbytes
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Store what is waiting, then stop the thread (waits at most ``timeout_s``)."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("%s still storing after %.0fs; it exits when the write returns", self._thread.name,
+                           timeout_s)
 
 
 @dataclass

@@ -185,13 +185,35 @@ def read_row_group_table(
     raise AssertionError("unreachable")
 
 
+def _numpy_dtype(kind: pa.DataType) -> np.dtype | None:
+    """NumPy dtype of a fixed-width integer / float Arrow type (None for anything else)."""
+    if pa.types.is_floating(kind):
+        return np.dtype(f"f{kind.bit_width // 8}")
+    if pa.types.is_integer(kind):
+        return np.dtype(f"{'u' if pa.types.is_unsigned_integer(kind) else 'i'}{kind.bit_width // 8}")
+    return None
+
+
+def _to_numpy(array: pa.Array) -> np.ndarray:
+    """``array.to_numpy(zero_copy_only=False)``, but a null-free integer / float array becomes a view of
+    its data buffer directly: pyarrow's own ``to_numpy`` imports pandas on its first call (~0.13 s,
+    which would land on the first row group every process decodes)."""
+    dtype = _numpy_dtype(array.type)
+    if dtype is None or array.null_count:
+        return array.to_numpy(zero_copy_only=False)
+    data = array.buffers()[1]
+    if data is None:
+        return np.zeros(0, dtype)
+    return np.frombuffer(data, dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
+
+
 def _list_to_numpy(array: pa.Array) -> np.ndarray:
     count = len(array)
     if pa.types.is_fixed_size_list(array.type) and array.null_count == 0:
-        return array.flatten().to_numpy(zero_copy_only=False).reshape(count, array.type.list_size)
-    values = array.flatten().to_numpy(zero_copy_only=False)
+        return _to_numpy(array.flatten()).reshape(count, array.type.list_size)
+    values = _to_numpy(array.flatten())
     if array.null_count == 0:
-        offsets = array.offsets.to_numpy()
+        offsets = _to_numpy(array.offsets)
         offsets = offsets - offsets[0]
     else:  # null lists become empty arrays
         lengths = np.asarray(array.value_lengths().fill_null(0), dtype=np.int64)
@@ -219,7 +241,7 @@ def arrow_to_numpy(array: pa.Array | pa.ChunkedArray, widen_nulls: bool = False)
         if not pa.types.is_floating(kind):
             array = array.cast(pa.float64())
         return array.to_numpy(zero_copy_only=False)
-    return array.to_numpy(zero_copy_only=False)
+    return _to_numpy(array)
 
 
 def table_to_numpy(table: pa.Table, widen_columns: set[str] | frozenset[str] = frozenset()) -> dict[str, np.ndarray]:

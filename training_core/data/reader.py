@@ -6,6 +6,7 @@ implements ``state_dict`` / ``load_state_dict``. See docs/loader.md for the desi
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .cache import CacheConfig, RowGroupCache
+from .cache import BufferPool, CacheConfig, CacheWriter, RowGroupCache
 from .order import EpochLayout, build_epoch_layout, rank_schedule
 from .order.elastic_positions import RankSchedule
 from .parquet_files import DatasetIndex, RowGroupReadError, index_dataset
@@ -26,6 +27,7 @@ from .workers import (
     THREAD_PREFIX,
     ReaderClosedError,
     RowGroupLoader,
+    GatheredWindow,
     WorkerPool,
     assemble_window,
     call_with_timeout,
@@ -66,7 +68,8 @@ class _EpochPipeline:
     """Producer thread + decode pool for the rest of one epoch on one rank (no reference to the iterator).
 
     The producer hands over *lists* of batches (at most ``_CHUNK`` each, flushed before it blocks on
-    a read), so queue hand-offs cost little per batch; the queue holds at most
+    a read; the first lists hold 1, 2, 4, … batches so that the first batch leaves at once), so
+    queue hand-offs cost little per batch; the queue holds at most
     ``prefetch_batches / _CHUNK`` lists, which bounds memory whatever the dataset size.
     """
 
@@ -77,7 +80,14 @@ class _EpochPipeline:
         self.ready: deque = deque()
         self.pool = WorkerPool(reader.workers, name)
         self.join_timeout_s = min(1.0, reader.read_timeout_s)  # a read hung in storage cannot be interrupted
-        args = (layout, schedule, reader._loader, self.pool, self.stop, self.batches, reader.read_timeout_s,
+        cache = reader._cache
+        self.writer = None
+        if cache is not None and cache.config.write_queue_bytes > 0:
+            self.writer = CacheWriter(cache, name, cache.config.write_queue_bytes)
+        buffers = BufferPool()
+        load = functools.partial(reader._loader.load_piece, writer=self.writer, buffers=buffers)
+        self.locate_cached = reader._loader.locate_cached
+        args = (layout, schedule, load, buffers, self.pool, self.stop, self.batches, reader.read_timeout_s,
                 reader._row_groups_in_flight, reader._index)
         self.thread = threading.Thread(target=_produce, args=args, name=f"{name}-assemble", daemon=True)
         self.thread.start()
@@ -105,6 +115,9 @@ class _EpochPipeline:
         self.ready.clear()
         self.thread.join(timeout=5.0)
         self.pool.close(self.join_timeout_s)
+        if self.writer is not None:
+            self.writer.close()  # stores what is still queued, so the next reader finds it
+            self.locate_cached()
 
 
 def _emit(item: Any, batches: queue.Queue, stop: threading.Event) -> None:
@@ -117,11 +130,12 @@ def _emit(item: Any, batches: queue.Queue, stop: threading.Event) -> None:
     raise ReaderClosedError("reader closed")
 
 
-def _window_inverse(layout: EpochLayout, stream: int, window: int) -> np.ndarray:
-    return inverse_permutation(layout.window_order(stream, window))
+def _window_order(layout: EpochLayout, stream: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+    order = layout.window_order(stream, window)
+    return order, inverse_permutation(order)
 
 
-def _produce(layout, schedule, loader, pool, stop, batches, timeout_s, in_flight_limit, index) -> None:
+def _produce(layout, schedule, load, buffers, pool, stop, batches, timeout_s, in_flight_limit, index) -> None:
     """Producer thread: schedule reads ahead, assemble shuffled windows, cut batches."""
     try:
         needs = _window_needs(layout, schedule)
@@ -137,13 +151,14 @@ def _produce(layout, schedule, loader, pool, stop, batches, timeout_s, in_flight
                 tasks = []
                 for group, start, stop_row in layout.window_pieces(*need):
                     ref = index.row_groups[group]
-                    tasks.append(pool.submit(loader.load_piece, ref, int(start), int(stop_row), label=ref.describe()))
-                order = pool.submit(_window_inverse, layout, *need, label=f"window {need}")
+                    tasks.append(pool.submit(load, ref, int(start), int(stop_row), label=ref.describe()))
+                order = pool.submit(_window_order, layout, *need, label=f"window {need}")
                 pending.append((need, tasks, order))
                 in_flight += len(tasks)
 
-        current: dict[int, tuple[int, dict[str, np.ndarray]]] = {}
+        current: dict[int, tuple[int, Any, list]] = {}  # stream -> (window, rows, read buffers held)
         out: list[dict[str, np.ndarray]] = []
+        chunk = 1  # grows to _CHUNK: the first batch is handed over as soon as it exists
         for batch_index in range(schedule.num_batches):
             parts = []
             for seg in layout.segments(*schedule.batch_range(batch_index)):
@@ -158,14 +173,29 @@ def _produce(layout, schedule, loader, pool, stop, batches, timeout_s, in_flight
                     pieces = [task.wait(timeout_s, stop) for task in tasks]
                     in_flight -= len(tasks)
                     fill()
-                    inverse = order.wait(timeout_s, stop)
-                    held = (seg.window, assemble_window([p[0] for p in pieces], inverse, [p[1] for p in pieces]))
+                    permutation, inverse = order.wait(timeout_s, stop)
+                    if held is not None:
+                        for buffer in held[2]:
+                            buffers.release(buffer)
+                    arrays, dtypes = [p[0] for p in pieces], [p[1] for p in pieces]
+                    if not current:  # the pipeline's first window: serve it without a window-sized copy
+                        lengths = [int(stop_row - start) for _, start, stop_row in layout.window_pieces(*need)]
+                        held = (seg.window, GatheredWindow(arrays, dtypes, lengths, permutation),
+                                [p[2] for p in pieces])
+                    else:
+                        held = (seg.window, assemble_window(arrays, inverse, dtypes), [])
+                        for piece in pieces:  # rows are copied out: the read buffers can be reused
+                            buffers.release(piece[2])
                     current[seg.stream] = held
-                parts.append({name: column[seg.lo : seg.hi] for name, column in held[1].items()})
+                window = held[1]
+                if isinstance(window, GatheredWindow):
+                    parts.append(window.rows(seg.lo, seg.hi))
+                else:
+                    parts.append({name: column[seg.lo : seg.hi] for name, column in window.items()})
             out.append(finish_batch(parts))
-            if len(out) >= _CHUNK:
+            if len(out) >= chunk:
                 _emit(out, batches, stop)
-                out = []
+                out, chunk = [], min(2 * chunk, _CHUNK)
         if out:
             _emit(out, batches, stop)
         _emit(_End(), batches, stop)
@@ -287,6 +317,7 @@ class RowGroupReader:
         )
         self._cache = RowGroupCache(cache) if cache is not None else None
         self._loader = RowGroupLoader(self._index, self._cache, transform, transform_version, read_timeout_s)
+        self._loader.locate_cached()
         self._position = _Position(epoch, 0, world_size, batch_size)
         self._stats = StatsRecorder()
         self._active: weakref.ref[_EpochIterator] | None = None  # weak: a dropped iterator must die

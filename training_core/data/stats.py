@@ -26,6 +26,7 @@ class ReaderStats:
     cache_evictions: int
     cache_corruptions: int
     cache_rejected: int
+    cache_dropped: int  # not stored because the background writer's queue was full
     consumer_wait_s: float
     stall_fraction: float
 
@@ -80,6 +81,7 @@ class StatsRecorder:
                 cache_evictions=get("evictions"),
                 cache_corruptions=get("corruptions"),
                 cache_rejected=get("rejected"),
+                cache_dropped=get("dropped"),
                 consumer_wait_s=self.wait_s,
                 stall_fraction=self.wait_s / elapsed if elapsed > 0 else 0.0,
             )

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .cache import CacheConfig, CacheWarmReport, RowGroupCache, cache_key, cache_version
+from .cache import BufferPool, CacheConfig, CacheWarmReport, CacheWriter, RowGroupCache, cache_key, cache_version
 from .parquet_files import (
     DatasetIndex,
     ReadTimeoutError,
@@ -136,7 +136,12 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float, label: str, name:
 
 
 class RowGroupLoader:
-    """Cache lookup → read → Arrow→NumPy → transform → cache store, for one row group at a time."""
+    """Cache lookup → read → Arrow→NumPy → transform → cache store, for one row group at a time.
+
+    With a ``writer`` the store is handed to the background :class:`CacheWriter` (the decode thread
+    moves on at once); with ``buffers`` a cache hit is read into a reused buffer, returned as the
+    third item so that the caller can give it back once it has copied the rows out.
+    """
 
     def __init__(
         self,
@@ -151,11 +156,21 @@ class RowGroupLoader:
         self.transform_version, self.read_timeout_s, self.max_attempts = transform_version, read_timeout_s, max_attempts
         self._local = threading.local()
 
-    def load(self, ref: RowGroupRef) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]]:
-        """Columns of one row group (possibly narrowed, from the cache) and their logical dtypes."""
+    def locate_cached(self) -> None:
+        """Let cache hits skip SQLite (see :meth:`RowGroupCache.locate`)."""
+        if self.cache is not None:
+            keys = [cache_key(ref.file.identity, ref.index, self.index.columns, self.transform_version)
+                    for ref in self.index.row_groups]
+            self.cache.locate(keys)
+
+    def load(
+        self, ref: RowGroupRef, writer: CacheWriter | None = None, buffers: BufferPool | None = None
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.dtype], np.ndarray | None]:
+        """Columns of one row group (possibly narrowed, from the cache), their logical dtypes and the
+        read buffer they live in (None unless a cache hit used ``buffers``)."""
         key = cache_key(ref.file.identity, ref.index, self.index.columns, self.transform_version)
         if self.cache is not None:
-            cached = self.cache.get(key, ref.describe())
+            cached = self.cache.get_pooled(key, ref.describe(), buffers)
             if cached is not None:
                 return cached
         handles: dict = self._local.__dict__.setdefault("handles", {})
@@ -170,9 +185,11 @@ class RowGroupLoader:
         arrays = table_to_numpy(table, self.index.widen_columns)
         if self.transform is not None:
             arrays = self._apply_transform(ref, arrays)
-        if self.cache is not None:
+        if writer is not None:
+            writer.submit(key, arrays)
+        elif self.cache is not None:
             self.cache.put(key, arrays)
-        return arrays, {name: value.dtype for name, value in arrays.items()}
+        return arrays, {name: value.dtype for name, value in arrays.items()}, None
 
     def _apply_transform(self, ref: RowGroupRef, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
@@ -186,11 +203,14 @@ class RowGroupLoader:
             raise TransformError(f"{ref.describe()}: transform changed the row count ({bad}, expected {ref.num_rows})")
         return {name: np.asarray(value) for name, value in result.items()}
 
-    def load_piece(self, ref: RowGroupRef, start: int, stop: int) -> tuple[dict[str, np.ndarray], dict]:
-        arrays, dtypes = self.load(ref)
+    def load_piece(
+        self, ref: RowGroupRef, start: int, stop: int, writer: CacheWriter | None = None,
+        buffers: BufferPool | None = None,
+    ) -> tuple[dict[str, np.ndarray], dict, np.ndarray | None]:
+        arrays, dtypes, buffer = self.load(ref, writer, buffers)
         if start == 0 and stop == ref.num_rows:
-            return arrays, dtypes
-        return {name: value[start:stop] for name, value in arrays.items()}, dtypes
+            return arrays, dtypes, buffer
+        return {name: value[start:stop] for name, value in arrays.items()}, dtypes, buffer
 
 
 def _column_template(pieces: Sequence[np.ndarray], dtypes: Sequence[np.dtype], rows: int) -> np.ndarray:
@@ -238,6 +258,32 @@ def assemble_window(
             offset += len(piece)
         out[name] = target
     return out
+
+
+class GatheredWindow:
+    """A shuffled window whose rows are gathered slice by slice from its pieces.
+
+    Same rows as :func:`assemble_window` (``rows(lo, hi) == assemble_window(...)[lo:hi]``) but
+    without first copying the whole window: the first batch of a pipeline is ready as soon as the
+    window's pieces are, instead of after a window-sized scatter into fresh memory. Each slice costs
+    a few NumPy calls per piece, so only a pipeline's first window is served this way.
+    """
+
+    def __init__(self, parts: Sequence[dict[str, np.ndarray]], dtypes: Sequence[dict], lengths: Sequence[int],
+                 order: np.ndarray) -> None:
+        self.parts, self.dtypes, self.order = parts, dtypes, order
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+    def rows(self, lo: int, hi: int) -> dict[str, np.ndarray]:
+        wanted = self.order[lo:hi]
+        piece_of = np.searchsorted(self.offsets, wanted, side="right") - 1
+        picked, positions = [], []
+        for k, part in enumerate(self.parts):
+            where = np.flatnonzero(piece_of == k)
+            rows = wanted[where] - self.offsets[k]
+            picked.append({name: column[rows] for name, column in part.items()})
+            positions.append(where)
+        return assemble_window(picked, np.concatenate(positions), self.dtypes)
 
 
 def finish_batch(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
