@@ -127,6 +127,9 @@ def lora_adapter(
             "peak_memory_mb": telemetry.get("peak_memory_mb", 0.0),
             **{f"step_time_{phase}_s": telemetry.get(f"{phase}_s", 0.0)
                for phase in ("data_wait", "forward", "backward", "optimizer")},
+            **{f"step_time_{phase}_blocked_s": telemetry.get(f"{phase}_blocked_s", 0.0)
+               for phase in ("backward", "optimizer")},
+            "time_to_first_step_s": telemetry.get("time_to_first_step_s", 0.0),
             "achieved_flops_per_s": telemetry.get("achieved_flops_per_s", 0.0),
             "loss_curve": dg.MetadataValue.md(_sparkline_table(result.loss_history)),
         },

@@ -25,9 +25,12 @@ def plot_loss_curve(loss_history: list[tuple[int, float]], path: Path, title: st
 
 
 def plot_step_time(telemetry: dict, path: Path) -> Path:
-    phases = ["data_wait_s", "forward_s", "backward_s", "optimizer_s"]
+    phases = ["data_wait", "forward", "backward", "optimizer"]
     figure, axis = plt.subplots(figsize=(6, 3), dpi=100)
-    axis.barh(phases, [telemetry.get(p, 0.0) for p in phases])
+    axis.barh(phases, [telemetry.get(f"{p}_s", 0.0) for p in phases], label="wall")
+    # Wall minus the step thread's CPU time: waiting, mostly on collectives (CPU runs).
+    axis.barh(phases, [telemetry.get(f"{p}_blocked_s", 0.0) for p in phases], label="of which blocked")
+    axis.legend(fontsize=7)
     axis.set_xlabel("seconds (rank 0, whole run)")
     axis.set_title("step-time split")
     figure.tight_layout()

@@ -99,6 +99,9 @@ def test_dagster_metadata_links_the_mlflow_run_and_data_versions(demo_run):
     training = _materialization(result, "lora_adapter")
     trained = result.output_for_node("lora_adapter")
     assert trained.mlflow_run_id in training.metadata["mlflow_run"].value
+    # Start-up and where steps waited are visible in the UI, not only in MLflow.
+    assert training.metadata["time_to_first_step_s"].value > 0.0
+    assert 0.0 <= training.metadata["step_time_backward_blocked_s"].value <= training.metadata["step_time_backward_s"].value
     dataset = _materialization(result, "training_dataset")
     assert dataset.tags["dagster/data_version"] == result.output_for_node("training_dataset").digest
 

@@ -88,6 +88,8 @@ def test_lora_run_learns_and_matches_golden_first_loss(train):
     startup_phases = ["ray_worker_group", "recipe_imports", "deepspeed_import", "process_group", "model_load",
                       "deepspeed_initialize", "resume_and_loader"]
     assert all(telemetry[f"startup_{phase}_s"] >= 0.0 for phase in startup_phases)
+    assert telemetry["time_to_first_step_s"] == pytest.approx(
+        sum(telemetry[f"startup_{phase}_s"] for phase in startup_phases))
     for phase in ("forward", "backward", "optimizer"):  # wall minus CPU: never more than the wall
         assert 0.0 <= telemetry[f"{phase}_blocked_s"] <= telemetry[f"{phase}_s"] + 1e-3
 

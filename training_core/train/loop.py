@@ -150,7 +150,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     if not already_finished:
         progress.telemetry = {**timer.summary(flops_per_token, config.peak_flops_preset, world_size),
                               **{f"loader_{k}": v for k, v in batches.stats().items()},
-                              **startup.durations,
+                              **startup.durations, "time_to_first_step_s": sum(startup.durations.values()),
                               "parameters": total_params, "trainable_parameters": trainable_params}
     _append_mean_losses(progress, unreduced_losses, world_size)
     progress.finished = True

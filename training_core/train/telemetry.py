@@ -30,7 +30,8 @@ class StepTimer:
     tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
     # Wall minus this thread's CPU time, per phase: on CPU, where the step thread blocks. In
-    # backward and optimizer that is mostly waiting on collectives (gradient reduce, all-gather).
+    # backward and optimizer that is mostly waiting on collectives (gradient reduce, all-gather);
+    # with several intra-op threads it also includes waiting for them. On GPU it is launch/sync.
     blocked_s: dict[str, float] = field(default_factory=dict)
 
     @contextlib.contextmanager
