@@ -13,15 +13,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from training_core.data import CacheConfig, CacheWarmReport, RowGroupReader, cache_version, warm_cache
-from training_core.data.cache import (
-    BufferPool,
-    CacheWriter,
+from training_core.data.cache import BufferPool, RowGroupCache
+from training_core.data.cache_payload import (
     CorruptEntryError,
-    RowGroupCache,
     decode_payload,
     decode_payload_views,
     encode_payload,
+    narrow_columns,
 )
+from training_core.data.cache_writer import CacheWriter
 
 from .conftest import write_ids_dataset
 
@@ -102,6 +102,11 @@ def entry(seed: int, rows: int = 1000) -> dict[str, np.ndarray]:
     return {"x": values}
 
 
+def stored_entry(key: str, arrays: dict[str, np.ndarray]) -> tuple:
+    """``(key, narrowed columns, logical dtypes)``, as the reader hands entries to ``put_many``."""
+    return key, narrow_columns(arrays), {name: array.dtype for name, array in arrays.items()}
+
+
 def test_evict_policy_stays_under_quota_and_keeps_newest(tmp_path):
     cache = RowGroupCache(CacheConfig(tmp_path / "c", 1_000_000, policy="evict", shards=1))
     for i in range(30):
@@ -130,11 +135,14 @@ def test_entry_larger_than_a_shard_is_not_stored(tmp_path):
     cache.close()
 
 
-def _writer(directory: str, policy: str, start: int, result) -> None:
+def _writer(directory: str, policy: str, start: int, result, batch: int) -> None:
     cache = RowGroupCache(CacheConfig(directory, 1_500_000, policy=policy, shards=2))
     peak, torn = 0, 0
-    for i in range(start, start + 40):
-        cache.put(f"k{i}", entry(i))
+    for i in range(start, start + 40, batch):
+        if batch == 1:
+            cache.put(f"k{i}", entry(i))
+        else:  # several entries per transaction, as the background writer stores them
+            cache.put_many([stored_entry(f"k{j}", entry(j)) for j in range(i, i + batch)])
         peak = max(peak, cache.volume())
         other = cache.get(f"k{(i + 1000) % 2000}", "peer")  # read what the peer process may be writing
         if other is not None and not np.all(other[0]["x"][:, 0] == other[0]["x"][0, 0]):
@@ -143,12 +151,13 @@ def _writer(directory: str, policy: str, start: int, result) -> None:
     cache.close()
 
 
+@pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("policy", ["evict", "stop_admitting"])
-def test_two_processes_never_exceed_the_quota(tmp_path, policy):
+def test_two_processes_never_exceed_the_quota(tmp_path, policy, batch):
     context = multiprocessing.get_context("spawn")
     result = context.Queue()
     directory = str(tmp_path / "shared")
-    workers = [context.Process(target=_writer, args=(directory, policy, s, result)) for s in (0, 1000)]
+    workers = [context.Process(target=_writer, args=(directory, policy, s, result, batch)) for s in (0, 1000)]
     for process in workers:
         process.start()
     outcomes = [result.get(timeout=120) for _ in workers]
@@ -163,6 +172,105 @@ def test_two_processes_never_exceed_the_quota(tmp_path, policy):
         assert peak <= 1_500_000 and torn == 0 and corruptions == 0
     files = sum(p.stat().st_size for p in Path(directory).rglob("*.val"))
     assert files <= 1_500_000
+
+
+@pytest.mark.parametrize("policy", ["evict", "stop_admitting"])
+def test_batched_stores_obey_the_quota_entry_by_entry(tmp_path, policy):
+    cache = RowGroupCache(CacheConfig(tmp_path / "c", 1_000_000, policy=policy, shards=1))
+    stored = []
+    for begin in range(0, 30, 10):
+        stored += cache.put_many([stored_entry(f"k{i}", entry(i)) for i in range(begin, begin + 10)])
+        assert cache.volume() <= 1_000_000
+    fits = stored.count(True)
+    if policy == "evict":
+        assert all(stored) and cache.counters.evictions > 0, "evict admits every entry, making room first"
+        assert cache.get("k29", "k29")[0]["x"][0, 0] == 29 and cache.get("k0", "k0") is None
+    else:
+        assert 0 < fits < 30 and stored == [True] * fits + [False] * (30 - fits), "the first stay, the rest are refused"
+        assert cache.counters.rejected == 30 - fits and cache.counters.evictions == 0
+    assert cache.counters.stored_bytes > 0
+    names = {path.parent.name for path in (tmp_path / "c").rglob("*.val")}
+    assert names <= set("0123456789abcdef"), "value files live in 16 fixed subdirectories per shard"
+    cache.close()
+
+
+def test_a_failed_batch_stores_nothing_leaves_no_files_and_is_counted(tmp_path, monkeypatch):
+    from training_core.data.cache import _ValueDisk
+
+    cache = RowGroupCache(CacheConfig(tmp_path / "c", 2**26, shards=1))
+    writes = []
+    original = _ValueDisk._write
+
+    def failing_write(self, full_path, iterator, mode, encoding=None):
+        writes.append(full_path)
+        if len(writes) == 2:
+            raise OSError(28, "No space left on device")
+        return original(self, full_path, iterator, mode, encoding)
+
+    monkeypatch.setattr(_ValueDisk, "_write", failing_write)
+    assert cache.put_many([stored_entry(f"k{i}", entry(i)) for i in range(3)]) == [False, False, False]
+    assert cache.counters.write_errors == 3 and len(cache) == 0, "the whole transaction rolled back"
+    assert not list((tmp_path / "c").rglob("*.val")), "the file written before the failure was deleted"
+    assert cache.put_many([stored_entry("k9", entry(9))]) == [True] and cache.get("k9", "k9") is not None
+    cache.close()
+
+
+def _integer_table(rows: int, shift: int) -> pa.Table:
+    rng = np.random.default_rng(shift)
+    tokens = rng.integers(0, 32_000, (rows, 8), dtype=np.int32)
+    return pa.table({
+        "small": pa.array(np.arange(rows) % 200 + shift, pa.int64()),
+        "signed": pa.array(np.arange(rows) - rows // 2 - shift, pa.int32()),
+        "big": pa.array(np.arange(rows) * 2**33 + shift, pa.int64()),
+        "unsigned": pa.array(np.arange(rows, dtype=np.uint32) + np.uint32(4_000_000_000 - shift), pa.uint32()),
+        "u16": pa.array((np.arange(rows) * 331 + shift) % 65_536, pa.uint16()),
+        "tokens": pa.FixedSizeListArray.from_arrays(tokens.ravel(), 8).cast(pa.list_(pa.int32())),
+        "score": pa.array(np.linspace(0, 1, rows)),
+    })
+
+
+@pytest.mark.parametrize("statistics", [True, False])
+def test_statistics_narrowing_picks_the_dtype_a_scan_picks(tmp_path, statistics):
+    from training_core.data.cache_payload import narrow_dtype
+    from training_core.data.parquet_files import index_dataset, read_row_group_table, table_to_numpy
+
+    table = pa.concat_tables([_integer_table(300, shift) for shift in (0, 7, 300)])
+    pq.write_table(table, tmp_path / "ints.parquet", row_group_size=300, write_statistics=statistics)
+    index = index_dataset(tmp_path / "ints.parquet")
+    integer_columns = {"small", "signed", "big", "unsigned", "u16", "tokens"}
+    for ref in index.row_groups:
+        ranges = ref.value_ranges
+        assert set(ranges) == (integer_columns if statistics else set()), "statistics are used only when present"
+        arrays = table_to_numpy(read_row_group_table(index.filesystem, ref, index.columns, {}))
+        for name, array in arrays.items():
+            assert narrow_dtype(array, ranges.get(name)) == narrow_dtype(array), (ref.index, name)
+        views, logical = decode_payload_views(encode_payload(arrays, ranges))
+        assert {name: view.dtype for name, view in views.items()} == {
+            name: narrow_dtype(array) for name, array in arrays.items()}
+        for name, array in arrays.items():
+            np.testing.assert_array_equal(views[name].astype(logical[name]), array)
+    assert narrow_dtype(arrays["tokens"]) == np.uint16 and narrow_dtype(arrays["signed"]) == np.int16
+    assert narrow_dtype(arrays["big"]) == np.int64 and narrow_dtype(arrays["unsigned"]) == np.uint32
+
+
+def test_statistics_are_not_used_for_transformed_columns(tmp_path):
+    data = write_ids_dataset(tmp_path / "d", [(300, 100)])
+    config = CacheConfig(tmp_path / "c", 2**26, shards=2)
+
+    def shift(arrays):  # values far outside the file's statistics
+        return {**arrays, "tokens": arrays["tokens"] + 1_000_000}
+
+    def read(cache):
+        with RowGroupReader(data, batch_size=300, shuffle=False, cache=cache, transform=shift,
+                            transform_version="shift") as reader:
+            return next(iter(reader)), reader.stats
+
+    cold, cold_stats = read(config)
+    warm, warm_stats = read(config)
+    assert cold_stats.cache_misses == 3 and warm_stats.cache_hits == 3
+    assert warm["tokens"].min() >= 1_000_000
+    np.testing.assert_array_equal(warm["tokens"], cold["tokens"])
+    np.testing.assert_array_equal(warm["id"], cold["id"])
 
 
 def test_warm_cache_reports_and_versions(tmp_path):
@@ -190,10 +298,10 @@ class _GatedCache(RowGroupCache):
         super().__init__(config)
         self.entered, self.gate = threading.Semaphore(0), threading.Event()
 
-    def put(self, key, arrays) -> bool:
+    def put_many(self, entries) -> list[bool]:
         self.entered.release()
         assert self.gate.wait(timeout=30)
-        return super().put(key, arrays)
+        return super().put_many(entries)
 
 
 def test_background_writer_stores_everything_queued_before_close(tmp_path):

@@ -1,46 +1,45 @@
 """Local disk cache of decoded row groups (``diskcache.FanoutCache``) with a hard size quota.
 
-Entry = one decoded row group as raw contiguous NumPy buffers behind a small JSON header, with an
-XXH3-64 checksum over everything after the prefix; reading it back is ``np.frombuffer`` views (into
-a reused buffer, see :class:`BufferPool`), no unpickling. Integer columns are stored in the narrowest integer type that holds their values
-(lossless; token ids of a vocabulary < 65 536 take 2 bytes instead of 4), which halves the bytes
-written, checksummed and read; the header keeps the logical dtype, restored when rows are copied
-into the shuffle window. Key = (payload format, file path + size + mtime, row group, columns, transform version),
-so a rewritten file never serves stale rows. The quota is enforced per shard inside a SQLite
-``BEGIN IMMEDIATE`` transaction (check volume → evict or refuse → insert), which is atomic across
-processes sharing the directory; diskcache's own culling is switched off (``cull_limit=0``).
-Readers store entries from a background :class:`CacheWriter` thread (bounded queue, drops rather
-than blocks), so encoding, checksumming and writing stay off the decode path.
+An entry is one decoded row group in the checksummed format of :mod:`.cache_payload` (raw NumPy
+buffers, integers narrowed); a hit is read into a reused buffer (:class:`BufferPool`) and decoded as
+``np.frombuffer`` views. Key = (payload format, file path + size + mtime, row group, columns,
+transform version), so a rewritten file never serves stale rows. The quota is enforced per shard
+inside a SQLite ``BEGIN IMMEDIATE`` transaction (check volume → evict or refuse → write the value
+file → insert its row), which is atomic across processes sharing the directory; diskcache's own
+culling is switched off (``cull_limit=0``). :meth:`RowGroupCache.put_many` stores several entries
+of a shard in one transaction; readers store from a background
+:class:`~training_core.data.cache_writer.CacheWriter` thread.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import pickle
-import struct
 import threading
-from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
 import diskcache
 import numpy as np
-import xxhash
+
+from .cache_payload import (
+    PAYLOAD_FORMAT,
+    CorruptEntryError,
+    ValueRanges,
+    decode_payload_views,
+    encode_chunks,
+    narrow_columns,
+)
 
 logger = logging.getLogger(__name__)
 
-PAYLOAD_FORMAT = 2  # 2: XXH3-64 checksum (1 was CRC-32); part of every key, so old entries are never read
-MAGIC = b"TSR2"
-_PREFIX = struct.Struct("<4sIQ")  # magic, header length, xxh3_64 of everything after the prefix
-_ALIGN = 64
 _SQLITE_SLACK = 16 * 1024  # room for the new row and index pages
-
-
-class CorruptEntryError(ValueError):
-    """A cache entry failed its checksum or structure check."""
+# key, columns as they are stored (integers already narrowed), the dtypes they are read back as
+Entry = tuple[str, dict[str, np.ndarray], dict[str, np.dtype]]
 
 
 @dataclass(frozen=True)
@@ -71,141 +70,6 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.shards must be >= 1, got {self.shards}")
         if self.write_queue_bytes < 0:
             raise ValueError(f"CacheConfig.write_queue_bytes must be >= 0, got {self.write_queue_bytes}")
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // _ALIGN) * _ALIGN
-
-
-def encode_payload(arrays: dict[str, np.ndarray]) -> bytes:
-    """Serialize decoded columns into one checksummed buffer (see module docstring)."""
-    return b"".join(encode_chunks(arrays))
-
-
-class _ChunkReader:
-    """File-like view over payload chunks: lets diskcache write them without joining first."""
-
-    def __init__(self, chunks: list) -> None:
-        self._chunks = iter(chunks)
-
-    def read(self, _size: int = -1) -> bytes | memoryview:
-        return next(self._chunks, b"")
-
-
-def encode_chunks(arrays: dict[str, np.ndarray]) -> list:
-    """The payload as a list of buffers (prefix, header, padding, column buffers)."""
-    columns, buffers, cursor = [], [], 0
-
-    def add(buffer: np.ndarray) -> dict[str, int]:
-        nonlocal cursor
-        start = _aligned(cursor)
-        if start > cursor:
-            buffers.append(bytes(start - cursor))
-        data = memoryview(np.ascontiguousarray(buffer)).cast("B")
-        buffers.append(data)
-        cursor = start + data.nbytes
-        return {"offset": start, "nbytes": data.nbytes}
-
-    for name, array in arrays.items():
-        meta: dict[str, Any] = {"name": name, "rows": len(array)}
-        if array.dtype != object:
-            stored = _narrowed(array)
-            meta.update(kind="dense", dtype=stored.dtype.str, logical=array.dtype.str, shape=list(array.shape),
-                        data=add(stored))
-        elif all(type(item) is str for item in array):
-            encoded = [item.encode("utf-8") for item in array]
-            offsets = np.concatenate([[0], np.cumsum([len(b) for b in encoded], dtype=np.int64)])
-            meta.update(kind="str", offsets=add(offsets), data=add(np.frombuffer(b"".join(encoded), np.uint8)))
-        elif _is_ragged_numeric(array):
-            dtype = array[0].dtype if len(array) else np.dtype(np.int64)
-            offsets = np.concatenate([[0], np.cumsum([len(part) for part in array], dtype=np.int64)])
-            values = np.concatenate(list(array)) if len(array) else np.zeros(0, dtype)
-            meta.update(kind="ragged", dtype=dtype.str, offsets=add(offsets), data=add(values))
-        else:
-            meta.update(kind="pickle", data=add(np.frombuffer(pickle.dumps(array, protocol=5), np.uint8)))
-        columns.append(meta)
-    header = json.dumps({"format": PAYLOAD_FORMAT, "columns": columns}).encode()
-    head_end = _PREFIX.size + len(header)
-    padding = bytes(_aligned(head_end) - head_end)
-    hasher = xxhash.xxh3_64(header)
-    hasher.update(padding)
-    for buffer in buffers:
-        hasher.update(buffer)
-    return [_PREFIX.pack(MAGIC, len(header), hasher.intdigest()), header, padding, *buffers]
-
-
-_NARROW_TYPES = [np.dtype(t) for t in (np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32)]
-
-
-def _narrowed(array: np.ndarray) -> np.ndarray:
-    """The same integers in the smallest dtype that holds them (unchanged if nothing is smaller)."""
-    if array.dtype.kind not in "iu" or array.dtype.itemsize == 1 or array.size == 0:
-        return array
-    low, high = int(array.min()), int(array.max())
-    for candidate in _NARROW_TYPES:
-        info = np.iinfo(candidate)
-        if candidate.itemsize < array.dtype.itemsize and info.min <= low and high <= info.max:
-            return array.astype(candidate)
-    return array
-
-
-def _is_ragged_numeric(array: np.ndarray) -> bool:
-    if not len(array):
-        return False
-    first = array[0]
-    return all(
-        isinstance(item, np.ndarray) and item.ndim == 1 and item.dtype == first.dtype and item.dtype != object
-        for item in array
-    )
-
-
-def decode_payload(payload: bytes) -> dict[str, np.ndarray]:
-    """Inverse of :func:`encode_payload`, with every column in its logical dtype."""
-    views, logical = decode_payload_views(payload)
-    return {name: value.astype(logical[name]) if value.dtype != logical[name] else value
-            for name, value in views.items()}
-
-
-def decode_payload_views(payload: bytes | memoryview) -> tuple[dict[str, np.ndarray], dict[str, np.dtype]]:
-    """Columns as stored (dense ones are views into ``payload``) and their logical dtypes."""
-    payload = memoryview(payload).cast("B")
-    if len(payload) < _PREFIX.size:
-        raise CorruptEntryError(f"entry of {len(payload)} bytes is shorter than its prefix")
-    magic, header_len, digest = _PREFIX.unpack_from(payload)
-    if magic != MAGIC or _PREFIX.size + header_len > len(payload):
-        raise CorruptEntryError("bad magic or header length")
-    if xxhash.xxh3_64_intdigest(payload[_PREFIX.size :]) != digest:
-        raise CorruptEntryError("checksum mismatch (corrupt or truncated entry)")
-    header = json.loads(bytes(payload[_PREFIX.size : _PREFIX.size + header_len]))
-    base = _aligned(_PREFIX.size + header_len)
-
-    def view(ref: dict[str, int], dtype: Any = np.uint8) -> np.ndarray:
-        itemsize = np.dtype(dtype).itemsize
-        return np.frombuffer(payload, dtype=dtype, count=ref["nbytes"] // itemsize, offset=base + ref["offset"])
-
-    out: dict[str, np.ndarray] = {}
-    logical: dict[str, np.dtype] = {}
-    for meta in header["columns"]:
-        kind, rows = meta["kind"], meta["rows"]
-        if kind == "dense":
-            out[meta["name"]] = view(meta["data"], meta["dtype"]).reshape(meta["shape"])
-            logical[meta["name"]] = np.dtype(meta["logical"])
-            continue
-        result = np.empty(rows, dtype=object)
-        if kind == "pickle":
-            result = pickle.loads(view(meta["data"]).tobytes())
-        else:
-            offsets = view(meta["offsets"], np.int64)
-            data = view(meta["data"], np.uint8 if kind == "str" else meta["dtype"])
-            raw = data.tobytes() if kind == "str" else None
-            if raw is None:
-                data = data.copy()  # the rows are views: they must not point into a reused read buffer
-            for i in range(rows):
-                lo, hi = int(offsets[i]), int(offsets[i + 1])
-                result[i] = raw[lo:hi].decode("utf-8") if raw is not None else data[lo:hi]
-        out[meta["name"]] = result
-        logical[meta["name"]] = result.dtype
-    return out, logical
 
 
 def cache_key(file_identity: str, row_group: int, columns: Sequence[str], transform_version: str) -> str:
@@ -257,6 +121,40 @@ class BufferPool:
                 self._free.append(buffer)
 
 
+class _ChunkReader:
+    """File-like view over payload chunks: lets diskcache write them without joining first."""
+
+    def __init__(self, chunks: list) -> None:
+        self._chunks = iter(chunks)
+
+    def read(self, _size: int = -1) -> bytes | memoryview:
+        return next(self._chunks, b"")
+
+
+class _ValueDisk(diskcache.Disk):
+    """diskcache's ``Disk`` with value files in 16 fixed subdirectories of the shard.
+
+    Stock diskcache puts every value file in a random two-level directory (65 536 of them), so
+    nearly every store of a young cache pays two ``mkdir`` calls (a fifth of a 1 MB store here).
+    Rows keep the relative file name, so any diskcache handle reads these entries. Remembers the
+    files it created while a batch is open (:meth:`RowGroupCache.put_many`), so that the files of a
+    rolled-back transaction can be deleted.
+    """
+
+    def __init__(self, directory: str, **kwargs: Any) -> None:
+        super().__init__(directory, **kwargs)
+        self.batch = threading.local()
+
+    def filename(self, key: Any = None, value: Any = None) -> tuple[str, str]:
+        name = os.urandom(16).hex()
+        relative = os.path.join(name[0], f"{name}.val")  # 16 subdirectories: 0 … f
+        full_path = os.path.join(self._directory, relative)
+        created = getattr(self.batch, "created", None)
+        if created is not None:
+            created.append(full_path)
+        return relative, full_path
+
+
 class RowGroupCache:
     """Thread-safe handle on the shared cache directory (one per reader or warm-up)."""
 
@@ -266,7 +164,8 @@ class RowGroupCache:
             str(config.directory),
             shards=config.shards,
             timeout=config.timeout_s,
-            size_limit=2**62,  # quota is enforced by _admit, not by diskcache's cull
+            disk=_ValueDisk,
+            size_limit=2**62,  # the quota is enforced by put_many, not by diskcache's cull
             cull_limit=0,
             eviction_policy="least-recently-stored",
             statistics=False,
@@ -345,38 +244,90 @@ class RowGroupCache:
         self._count(hits=1)
         return arrays, logical, buffer
 
-    def put(self, key: str, arrays: dict[str, np.ndarray]) -> bool:
-        """Store an entry if the quota allows (after evicting, under ``policy="evict"``)."""
-        chunks = encode_chunks(arrays)
-        size = sum(memoryview(chunk).nbytes for chunk in chunks)
-        needed = size + len(key) + _SQLITE_SLACK
-        if needed > self._shard_limit:
-            self._count(rejected=1)
-            return False
-        shard = self._cache._shards[self._cache._hash(key) % len(self._cache._shards)]  # pinned diskcache 5.6
-        evicted = 0
-        with shard.transact(retry=True):
-            excess = shard.volume() + needed - self._shard_limit
-            if excess > 0 and self.config.policy == "stop_admitting":
-                self._count(rejected=1)
-                return False
-            while excess > 0:
-                rows = shard._sql("SELECT key, size FROM Cache ORDER BY store_time LIMIT 16").fetchall()
-                if not rows:
-                    break
-                for old_key, size in rows:
-                    if excess <= 0:
-                        break
-                    if shard.delete(old_key, retry=True):
-                        evicted += 1
-                        excess -= size
-            if excess > 0:  # only SQLite overhead left: cannot make room
-                self._count(rejected=1, evictions=evicted)
-                return False
-            # read=True streams the chunks to the value file (diskcache would split raw bytes at b"\n")
-            shard.set(key, _ChunkReader([chunk for chunk in chunks if memoryview(chunk).nbytes]), read=True, retry=True)
-        self._count(evictions=evicted, stored_bytes=size)
-        return True
+    def put(self, key: str, arrays: dict[str, np.ndarray], value_ranges: ValueRanges | None = None) -> bool:
+        """Store one entry if the quota allows (after evicting, under ``policy="evict"``); errors propagate.
+
+        Integer columns are narrowed first; ``value_ranges``: known ``(min, max)`` of integer columns
+        (Parquet statistics), so that narrowing needs no scan; only pass ranges of these very arrays."""
+        logical = {name: array.dtype for name, array in arrays.items()}
+        return self.store(key, narrow_columns(arrays, value_ranges), logical)
+
+    def store(self, key: str, columns: dict[str, np.ndarray], logical: dict[str, np.dtype]) -> bool:
+        """:meth:`put` for columns already narrowed (see :data:`Entry`); errors propagate."""
+        return self._store_in_shard(self._shard_of(key), [(key, columns, logical)])[0]
+
+    def put_many(self, entries: Sequence[Entry]) -> list[bool]:
+        """Store several ``(key, stored columns, logical dtypes)`` (see :data:`Entry`), those of one
+        shard in one transaction; returns which were stored.
+
+        The quota check runs before each insert inside the transaction, so a batch obeys the quota
+        exactly as single stores do. A failure (full disk, …) costs only that shard's entries of
+        this call: counted in ``write_errors`` and logged; their value files are deleted."""
+        stored = [False] * len(entries)
+        groups: dict[int, list[int]] = {}
+        for position, entry in enumerate(entries):
+            groups.setdefault(self._shard_of(entry[0]), []).append(position)
+        for shard, positions in groups.items():
+            try:
+                results = self._store_in_shard(shard, [entries[position] for position in positions])
+            except Exception as error:  # noqa: BLE001 - a failed store only costs a re-read later
+                logger.warning("row-group cache: storing %d entries failed: %s: %s", len(positions),
+                               type(error).__name__, error)
+                self._count(write_errors=len(positions))
+                continue
+            for position, result in zip(positions, results):
+                stored[position] = result
+        return stored
+
+    def _shard_of(self, key: str) -> int:
+        return self._cache._hash(key) % len(self._cache._shards)  # pinned diskcache 5.6
+
+    def _store_in_shard(self, shard_index: int, entries: Sequence[Entry]) -> list[bool]:
+        """One ``BEGIN IMMEDIATE`` transaction; per entry: encode (header + checksum), measure the
+        volume, evict or refuse, write the value file, insert the row. The row commits after its file is
+        complete, so no reader, in this process or another, ever sees a torn entry; on failure
+        the transaction rolls back and the files it wrote are deleted."""
+        shard = self._cache._shards[shard_index]
+        disk: _ValueDisk = shard.disk
+        results, evicted, stored_bytes = [], 0, 0
+        created: list[str] = []
+        disk.batch.created = created
+        try:
+            with shard.transact(retry=True):
+                for key, columns, logical in entries:
+                    chunks = [chunk for chunk in encode_chunks(columns, logical) if memoryview(chunk).nbytes]
+                    size = sum(memoryview(chunk).nbytes for chunk in chunks)
+                    needed = size + len(key) + _SQLITE_SLACK
+                    excess = shard.volume() + needed - self._shard_limit
+                    if needed > self._shard_limit or (excess > 0 and self.config.policy == "stop_admitting"):
+                        results.append(False)
+                        continue
+                    while excess > 0:
+                        rows = shard._sql("SELECT key, size FROM Cache ORDER BY store_time LIMIT 16").fetchall()
+                        if not rows:
+                            break
+                        for old_key, old_size in rows:
+                            if excess <= 0:
+                                break
+                            if shard.delete(old_key, retry=True):
+                                evicted += 1
+                                excess -= old_size
+                    if excess > 0:  # only SQLite overhead left: cannot make room
+                        results.append(False)
+                        continue
+                    # read=True streams the chunks to the value file (diskcache would split raw bytes at b"\n")
+                    shard.set(key, _ChunkReader(chunks), read=True, retry=True)
+                    results.append(True)
+                    stored_bytes += size
+        except BaseException:
+            for path in created:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+            raise
+        finally:
+            disk.batch.created = None
+        self._count(evictions=evicted, stored_bytes=stored_bytes, rejected=results.count(False))
+        return results
 
     def volume(self) -> int:
         return int(self._cache.volume())
@@ -386,64 +337,6 @@ class RowGroupCache:
 
     def close(self) -> None:
         self._cache.close()
-
-
-class CacheWriter:
-    """Background thread that stores decoded row groups (narrow, checksum, quota'd insert).
-
-    :meth:`submit` never blocks: when the row groups already waiting hold ``max_pending_bytes`` or
-    more, the new one is not stored and counted in ``counters.dropped`` (it is read from Parquet
-    again next time). :meth:`close` stores everything still waiting, then ends the thread, so a
-    reader opened afterwards finds the entries. Each entry is written completely before its row
-    is committed (see :meth:`RowGroupCache.put`), so stopping never leaves a torn entry.
-    """
-
-    def __init__(self, cache: RowGroupCache, name: str, max_pending_bytes: int) -> None:
-        self.cache, self.max_pending_bytes = cache, max_pending_bytes
-        self._pending: deque = deque()
-        self._pending_bytes = 0
-        self._closing = False
-        self._wake = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=f"{name}-cache-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, key: str, arrays: dict[str, np.ndarray]) -> bool:
-        nbytes = sum(array.nbytes for array in arrays.values())
-        with self._wake:
-            if self._closing or (self._pending and self._pending_bytes + nbytes > self.max_pending_bytes):
-                self.cache._count(dropped=1)
-                return False
-            self._pending.append((key, arrays, nbytes))
-            self._pending_bytes += nbytes
-            self._wake.notify()
-        return True
-
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not self._pending and not self._closing:
-                    self._wake.wait()
-                if not self._pending:
-                    return
-                key, arrays, nbytes = self._pending[0]
-            try:
-                self.cache.put(key, arrays)
-            except Exception as error:  # noqa: BLE001 - a failed store only costs a re-read later
-                logger.warning("row-group cache: storing an entry failed: %s: %s", type(error).__name__, error)
-                self.cache._count(write_errors=1)
-            with self._wake:
-                self._pending.popleft()
-                self._pending_bytes -= nbytes
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Store what is waiting, then stop the thread (waits at most ``timeout_s``)."""
-        with self._wake:
-            self._closing = True
-            self._wake.notify()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            logger.warning("%s still storing after %.0fs; it exits when the write returns", self._thread.name,
-                           timeout_s)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, Sequence
 
@@ -45,6 +45,8 @@ class ParquetFile:
     size: int
     mtime_ns: int | None
     row_group_sizes: tuple[int, ...]
+    # per row group: (column, min, max) of integer columns whose footer statistics give them
+    value_ranges: tuple[tuple[tuple[str, int, int], ...], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def identity(self) -> str:
@@ -59,6 +61,14 @@ class RowGroupRef:
 
     def describe(self) -> str:
         return f"{self.file.path} row group {self.index}"
+
+    @property
+    def value_ranges(self) -> dict[str, tuple[int, int]]:
+        """``column -> (min, max)`` of integer columns, from the footer's statistics (may be empty)."""
+        ranges = self.file.value_ranges
+        if self.index >= len(ranges):
+            return {}
+        return {name: (low, high) for name, low, high in ranges[self.index]}
 
 
 def as_arrow_filesystem(filesystem: Any) -> pafs.FileSystem:
@@ -148,7 +158,42 @@ def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo) -> tuple[ParquetFile, 
                 nullable.add(chunk.path_in_schema.split(".")[0])
     mtime = info.mtime_ns if info.mtime is not None else None
     sizes = tuple(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
-    return ParquetFile(info.path, int(info.size or 0), mtime, sizes), schema, nullable
+    ranges = integer_value_ranges(metadata, schema)
+    return ParquetFile(info.path, int(info.size or 0), mtime, sizes, ranges), schema, nullable
+
+
+def _is_integer_or_integer_list(kind: pa.DataType) -> bool:
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        kind = kind.value_type
+    return pa.types.is_integer(kind)
+
+
+def integer_value_ranges(metadata: pq.FileMetaData, schema: pa.Schema) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Per row group, ``(column, min, max)`` for each integer (or list-of-integer) column whose chunk
+    statistics have a min and max. The cache narrows integers with these instead of scanning them.
+    Only what the Parquet reader itself trusts is used: it hides the min/max of writers known to
+    write wrong statistics (``has_min_max`` is then false). A column with more than one leaf is
+    skipped; a chunk without statistics is left out (the cache then scans that column).
+    Parquet integer statistics are exact bounds (only byte arrays may be truncated)."""
+    leaves: dict[str, int] = {}
+    for column in range(metadata.num_columns):
+        name = metadata.schema.column(column).path.split(".")[0]
+        leaves[name] = leaves.get(name, 0) + 1
+    wanted = {name for name, count in leaves.items()
+              if count == 1 and name in schema.names and _is_integer_or_integer_list(schema.field(name).type)}
+    ranges = []
+    for index in range(metadata.num_row_groups):
+        row_group, found = metadata.row_group(index), []
+        for column in range(row_group.num_columns):
+            chunk = row_group.column(column)
+            name = chunk.path_in_schema.split(".")[0]
+            stats = chunk.statistics
+            if name in wanted and stats is not None and stats.has_min_max and chunk.physical_type in ("INT32", "INT64"):
+                low, high = stats.min, stats.max
+                if isinstance(low, int) and isinstance(high, int) and low <= high:
+                    found.append((name, low, high))
+        ranges.append(tuple(found))
+    return tuple(ranges)
 
 
 def default_columns(schema: pa.Schema) -> list[str]:

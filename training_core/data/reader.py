@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .cache import BufferPool, CacheConfig, CacheWriter, RowGroupCache
+from .cache import BufferPool, CacheConfig, RowGroupCache
+from .cache_writer import CacheWriter
 from .order import EpochLayout, build_epoch_layout, rank_schedule
 from .order.elastic_positions import RankSchedule
 from .parquet_files import DatasetIndex, RowGroupReadError, index_dataset
@@ -117,7 +118,8 @@ class _EpochPipeline:
         self.pool.close(self.join_timeout_s)
         if self.writer is not None:
             self.writer.close()  # stores what is still queued, so the next reader finds it
-            self.locate_cached()
+            if self.writer.stored:  # new entries: let the next epoch's hits open their files directly
+                self.locate_cached()
 
 
 def _emit(item: Any, batches: queue.Queue, stop: threading.Event) -> None:

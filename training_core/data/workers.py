@@ -13,8 +13,11 @@ import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import pyarrow as pa
 
-from .cache import BufferPool, CacheConfig, CacheWarmReport, CacheWriter, RowGroupCache, cache_key, cache_version
+from .cache import BufferPool, CacheConfig, CacheWarmReport, RowGroupCache, cache_key, cache_version
+from .cache_payload import narrow_columns
+from .cache_writer import CacheWriter
 from .parquet_files import (
     DatasetIndex,
     ReadTimeoutError,
@@ -135,10 +138,20 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float, label: str, name:
         pool.close(join_timeout_s=1.0 if task.done.is_set() else 0.0)
 
 
+def _arrow_allocated(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An array in memory of Arrow's pool (mimalloc): its per-thread heaps reuse freed pages, where
+    1 MB ``np.empty`` blocks freed by another thread (the cache writer) made glibc fault in fresh
+    pages for every row group (12 000 page faults per cold epoch here)."""
+    count = int(np.prod(shape))
+    return np.frombuffer(pa.allocate_buffer(max(count * dtype.itemsize, 1)), dtype, count).reshape(shape)
+
+
 class RowGroupLoader:
     """Cache lookup → read → Arrow→NumPy → transform → cache store, for one row group at a time.
 
-    With a ``writer`` the store is handed to the background :class:`CacheWriter` (the decode thread
+    With a cache, a miss's integer columns are narrowed on the decode thread (range from the footer
+    statistics when it has them) and that narrow copy serves both the window and the cache. With a
+    ``writer`` the store is handed to the background :class:`CacheWriter` (the decode thread
     moves on at once); with ``buffers`` a cache hit is read into a reused buffer, returned as the
     third item so that the caller can give it back once it has copied the rows out.
     """
@@ -183,13 +196,22 @@ class RowGroupLoader:
         if table.num_rows != ref.num_rows:
             raise RowGroupReadError(f"{ref.describe()}: footer says {ref.num_rows} rows, read {table.num_rows}")
         arrays = table_to_numpy(table, self.index.widen_columns)
+        value_ranges = ref.value_ranges  # footer statistics: they describe the file's values, not a transform's
         if self.transform is not None:
-            arrays = self._apply_transform(ref, arrays)
+            arrays, value_ranges = self._apply_transform(ref, arrays), None
+        logical = {name: value.dtype for name, value in arrays.items()}
+        if self.cache is None:
+            return arrays, logical, None
+        # Narrow here, while the decoded values are still in this core's cache, and hand the narrow
+        # copy to both the shuffle window (which widens it back, as for a hit) and the cache writer;
+        # the Arrow buffers are then freed by the thread that allocated them.
+        columns = narrow_columns(arrays, value_ranges, _arrow_allocated)
+        del arrays, table
         if writer is not None:
-            writer.submit(key, arrays)
-        elif self.cache is not None:
-            self.cache.put(key, arrays)
-        return arrays, {name: value.dtype for name, value in arrays.items()}, None
+            writer.submit(key, columns, logical)
+        else:
+            self.cache.store(key, columns, logical)
+        return columns, logical, None
 
     def _apply_transform(self, ref: RowGroupRef, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         try:
