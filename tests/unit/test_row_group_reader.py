@@ -278,3 +278,46 @@ def test_gathered_first_window_equals_the_scattered_window():
         for name in whole:
             assert rows[name].dtype == whole[name].dtype
             assert [np.asarray(x).tolist() for x in rows[name]] == [np.asarray(x).tolist() for x in whole[name][lo:hi]]
+
+
+def test_window_buffers_are_reused_only_after_every_view_is_gone():
+    from training_core.data.window_buffers import WindowBuffers
+
+    pool = WindowBuffers(max_free=2)
+    window = pool.empty((4, 3), np.int32)
+    window[:] = 7
+    kept = torch.from_numpy(window[1:3])  # a batch the consumer keeps, as a tensor
+    del window
+    other = pool.empty((4, 3), np.int32)  # the kept rows are still alive: fresh memory
+    assert pool.reused == 0 and not np.shares_memory(other, kept.numpy())
+    other[:] = -1
+    assert (kept == 7).all()
+    address = kept.data_ptr()
+    del kept
+    again = pool.empty((4, 3), np.int32)  # now the first block is free again
+    assert pool.reused == 1 and again.ctypes.data <= address < again.ctypes.data + again.nbytes
+    assert pool.empty(2, object).dtype == object and pool.reused == 1  # object columns are never pooled
+
+
+def test_batches_kept_by_the_consumer_survive_reused_window_buffers(ids_dataset):
+    """Keep every third batch (numpy and torch) across epochs, scribble over the others before
+    dropping them: reused window memory must never change a kept batch nor leak into a later one."""
+    kept, snapshots = [], []
+    with RowGroupReader(ids_dataset, batch_size=32, shuffle_buffer_row_groups=2, columns=["id", "tokens"],
+                        prefetch_batches=16, workers=2) as reader:
+        for _ in range(3):
+            for index, batch in enumerate(reader):
+                expected = batch["id"][:, None] * 10 + np.arange(4)
+                assert np.array_equal(batch["tokens"], expected)
+                if index % 3 == 0:
+                    kept.append((batch, batch_to_torch(batch)))
+                    snapshots.append({name: column.copy() for name, column in batch.items()})
+                else:
+                    batch["tokens"][:] = -1
+                    batch["id"][:] = -1
+        reused = reader._window_buffers.reused
+    assert reused > 0, "the test must exercise reused window memory"
+    for (batch, tensors), snapshot in zip(kept, snapshots):
+        for name, column in snapshot.items():
+            assert np.array_equal(batch[name], column)
+            assert np.array_equal(tensors[name].numpy(), column)

@@ -24,6 +24,7 @@ from .order import EpochLayout, build_epoch_layout, rank_schedule
 from .order.elastic_positions import RankSchedule
 from .parquet_files import DatasetIndex, RowGroupReadError, index_dataset
 from .stats import ReaderStats, StatsRecorder
+from .window_buffers import WindowBuffers
 from .workers import (
     THREAD_PREFIX,
     ReaderClosedError,
@@ -85,11 +86,11 @@ class _EpochPipeline:
         self.writer = None
         if cache is not None and cache.config.write_queue_bytes > 0:
             self.writer = CacheWriter(cache, name, cache.config.write_queue_bytes)
-        buffers = BufferPool()
+        buffers = reader._read_buffers
         load = functools.partial(reader._loader.load_piece, writer=self.writer, buffers=buffers)
         self.locate_cached = reader._loader.locate_cached
-        args = (layout, schedule, load, buffers, self.pool, self.stop, self.batches, reader.read_timeout_s,
-                reader._row_groups_in_flight, reader._index)
+        args = (layout, schedule, load, buffers, reader._window_buffers, self.pool, self.stop, self.batches,
+                reader.read_timeout_s, reader._row_groups_in_flight, reader._index)
         self.thread = threading.Thread(target=_produce, args=args, name=f"{name}-assemble", daemon=True)
         self.thread.start()
 
@@ -137,7 +138,8 @@ def _window_order(layout: EpochLayout, stream: int, window: int) -> tuple[np.nda
     return order, inverse_permutation(order)
 
 
-def _produce(layout, schedule, load, buffers, pool, stop, batches, timeout_s, in_flight_limit, index) -> None:
+def _produce(layout, schedule, load, buffers, window_buffers, pool, stop, batches, timeout_s, in_flight_limit,
+             index) -> None:
     """Producer thread: schedule reads ahead, assemble shuffled windows, cut batches."""
     try:
         needs = _window_needs(layout, schedule)
@@ -185,7 +187,7 @@ def _produce(layout, schedule, load, buffers, pool, stop, batches, timeout_s, in
                         held = (seg.window, GatheredWindow(arrays, dtypes, lengths, permutation),
                                 [p[2] for p in pieces])
                     else:
-                        held = (seg.window, assemble_window(arrays, inverse, dtypes), [])
+                        held = (seg.window, assemble_window(arrays, inverse, dtypes, window_buffers.empty), [])
                         for piece in pieces:  # rows are copied out: the read buffers can be reused
                             buffers.release(piece[2])
                     current[seg.stream] = held
@@ -324,6 +326,9 @@ class RowGroupReader:
         self._stats = StatsRecorder()
         self._active: weakref.ref[_EpochIterator] | None = None  # weak: a dropped iterator must die
         self._layout_cache: tuple[tuple, EpochLayout] | None = None
+        # Reused across this reader's epochs: fresh memory costs page faults (docs/loader.md).
+        self._read_buffers = BufferPool()
+        self._window_buffers = WindowBuffers()
 
     # -- order -----------------------------------------------------------------------------------
     def _layout(self) -> EpochLayout:
@@ -424,6 +429,7 @@ class RowGroupReader:
     def close(self) -> None:
         """Stop all threads and release the cache handle; safe to call twice."""
         self._close_active()
+        self._window_buffers.close()
         if self._cache is not None:
             self._cache.close()
 

@@ -235,11 +235,13 @@ class RowGroupLoader:
         return {name: value[start:stop] for name, value in arrays.items()}, dtypes, buffer
 
 
-def _column_template(pieces: Sequence[np.ndarray], dtypes: Sequence[np.dtype], rows: int) -> np.ndarray:
+def _column_template(
+    pieces: Sequence[np.ndarray], dtypes: Sequence[np.dtype], rows: int, empty: Callable[..., np.ndarray]
+) -> np.ndarray:
     """Allocate the output for stacking ``pieces``: dense (logical dtype) when they agree, else object."""
     dense = all(p.dtype != object for p in pieces) and len({p.shape[1:] for p in pieces}) == 1
     if dense and pieces[0].ndim <= 2:
-        return np.empty((rows, *pieces[0].shape[1:]), dtype=np.result_type(*dtypes))
+        return empty((rows, *pieces[0].shape[1:]), np.result_type(*dtypes))
     return np.empty(rows, dtype=object)
 
 
@@ -260,20 +262,22 @@ def inverse_permutation(order: np.ndarray) -> np.ndarray:
 
 
 def assemble_window(
-    parts: Sequence[dict[str, np.ndarray]], inverse: np.ndarray, dtypes: Sequence[dict] | None = None
+    parts: Sequence[dict[str, np.ndarray]], inverse: np.ndarray, dtypes: Sequence[dict] | None = None,
+    empty: Callable[..., np.ndarray] = np.empty,
 ) -> dict[str, np.ndarray]:
     """Concatenate pieces and apply the window permutation in one scatter per piece.
 
     ``out[j] = concatenated[order[j]]`` is written as ``out[inverse[rows of piece]] = piece``
     (``inverse`` = inverse of ``order``): a vectorized scatter copies each row once, faster than
     concatenate + take, and widens narrowed cache columns back to their logical dtype (``dtypes``).
+    Dense outputs come from ``empty(shape, dtype)`` (the reader passes :class:`WindowBuffers`).
     """
     rows = len(inverse)
     out = {}
     for name in parts[0]:
         pieces = [part[name] for part in parts]
         logical = [d[name] for d in dtypes] if dtypes is not None else [p.dtype for p in pieces]
-        target = _column_template(pieces, logical, rows)
+        target = _column_template(pieces, logical, rows, empty)
         offset = 0
         for piece, dtype in zip(pieces, logical):
             target[inverse[offset : offset + len(piece)]] = _as_rows(piece, dtype, target)
