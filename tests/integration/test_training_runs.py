@@ -4,6 +4,7 @@ Runs are cached per module: each costs ~15 s of Ray worker start-up on two cores
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,9 @@ def test_lora_run_learns_and_matches_golden_first_loss(train):
     assert all(telemetry[f"startup_{phase}_s"] >= 0.0 for phase in startup_phases)
     assert telemetry["time_to_first_step_s"] == pytest.approx(
         sum(telemetry[f"startup_{phase}_s"] for phase in startup_phases))
+    # The session's Ray (num_cpus=2) owns the host's cores when it has at most 2: one core per rank.
+    usable = len(os.sched_getaffinity(0))
+    assert telemetry["cpu_cores_visible"] == (1 if usable <= 2 else usable)
     for phase in ("forward", "backward", "optimizer"):  # wall minus CPU: never more than the wall
         assert 0.0 <= telemetry[f"{phase}_blocked_s"] <= telemetry[f"{phase}_s"] + 1e-3
 

@@ -74,7 +74,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     if not config.use_gpu:
-        _pin_to_own_cores(context.get_local_rank(), context.get_local_world_size(), config.cpus_per_worker)
+        if _node_owns_usable_cores():
+            _pin_to_own_cores(context.get_local_rank(), context.get_local_world_size(), config.cpus_per_worker)
         torch.set_num_threads(config.cpus_per_worker)
     startup.mark("process_group")
 
@@ -151,11 +152,23 @@ def train_loop_per_worker(loop_config: dict) -> None:
         progress.telemetry = {**timer.summary(flops_per_token, config.peak_flops_preset, world_size),
                               **{f"loader_{k}": v for k, v in batches.stats().items()},
                               **startup.durations, "time_to_first_step_s": sum(startup.durations.values()),
+                              "cpu_cores_visible": len(os.sched_getaffinity(0)),  # 1 per worker when pinned
                               "parameters": total_params, "trainable_parameters": trainable_params}
     _append_mean_losses(progress, unreduced_losses, world_size)
     progress.finished = True
     _report(engine, rank, progress, batches.state_dict(), final=True)
     batches.close()
+
+
+def _node_owns_usable_cores() -> bool:
+    """Pin only when this Ray node was given every core the worker can see. Two Ray nodes on one
+    host (or a pod whose CPU limit is below its cpuset) would otherwise pin their local rank 0s to
+    the same core."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    node_cpus = next((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["NodeID"] == node_id), 0)
+    return int(node_cpus) >= len(os.sched_getaffinity(0))
 
 
 def _pin_to_own_cores(local_rank: int, local_world_size: int, cpus_per_worker: int) -> None:
