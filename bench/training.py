@@ -19,7 +19,8 @@ the final checkpoint/report and worker shutdown. Inputs live in the git-ignored 
 Two references make a noisy, shared 2-core machine readable: ``plain`` runs before and after the
 Tessera runs (their spread is the noise), and two plain loops run at once in separate processes
 (``ceiling_2_processes``: the most any 2-worker run could get at that moment), next to a
-busy-loop probe of the CPU share two processes get (``machine.cpu_share_*``).
+busy-loop probe of the CPU share two processes get (``machine.cpu_share_*``); those probes and
+the gloo latency probe live in :mod:`bench.machine_probes`.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ import inspect
 import json
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.machine_probes import cpu_share_probe, gloo_latency_probe, machine_info
 
 logger = logging.getLogger("bench.training")
 
@@ -269,30 +271,6 @@ def run_tessera(inputs: BenchInputs, name: str, sizes: Sizes, storage: Path, out
 
 
 # -- report -----------------------------------------------------------------------------------------
-def machine_info() -> dict:
-    import deepspeed
-    import peft
-    import ray
-    import torch
-    import transformers
-
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": model,
-        "load_average_1m_at_start": os.getloadavg()[0],
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "deepspeed": deepspeed.__version__,
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "ray": ray.__version__,
-    }
-
-
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -350,66 +328,6 @@ def run_plain_subprocesses(sizes: Sizes, count: int = 2) -> list[dict]:
             raise RuntimeError(f"plain subprocess failed with status {process.returncode}")
         results.append(json.loads(out.strip().splitlines()[-1]))
     return results
-
-
-def measure_gloo(rank: int, port: int, elements: int, repeats: int = 500) -> dict:
-    """Microseconds per gloo collective between two single-threaded processes on this machine, for
-    the sizes a ZeRO-2 LoRA step sends: the gradient all-reduce, the grad-norm all-reduce (1
-    element) and the parameter all-gather. Their sum is the floor a 2-worker step pays over 1."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
-    gradient, norm = torch.zeros(elements), torch.zeros(1)
-    gathered, shard = torch.zeros(elements), torch.zeros(elements // 2)
-    operations = {
-        "all_reduce_gradients": lambda: dist.all_reduce(gradient),
-        "all_reduce_norm": lambda: dist.all_reduce(norm),
-        "all_gather_parameters": lambda: dist.all_gather_into_tensor(gathered, shard),
-    }
-    result = {}
-    for name, operation in operations.items():
-        for _ in range(20):
-            operation()
-        started = time.perf_counter()
-        for _ in range(repeats):
-            operation()
-        result[name] = 1e6 * (time.perf_counter() - started) / repeats
-    dist.barrier()
-    dist.destroy_process_group()
-    return result
-
-
-def gloo_latency_probe(elements: int) -> dict:
-    port = 29000 + os.getpid() % 1000
-    command = [sys.executable, "-m", "bench.training", "--measure-gloo", f"--gloo-port={port}",
-               f"--gloo-elements={elements}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    processes = [subprocess.Popen([*command, f"--gloo-rank={rank}"], cwd=BENCH_DIR.parent, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for rank in (0, 1)]
-    outputs = [process.communicate(timeout=300)[0] for process in processes]
-    if any(process.returncode != 0 for process in processes):
-        raise RuntimeError("gloo latency probe failed")
-    microseconds = json.loads(outputs[0].strip().splitlines()[-1])
-    return {"elements": elements, "us_per_collective": microseconds,
-            "us_per_zero2_step": sum(microseconds.values())}
-
-
-def _burn(seconds: float) -> float:
-    started, cpu = time.perf_counter(), time.process_time()
-    while time.perf_counter() - started < seconds:
-        pass
-    return (time.process_time() - cpu) / (time.perf_counter() - started)
-
-
-def cpu_share_probe(seconds: float = 2.0) -> list[float]:
-    """CPU-seconds per wall-second each of two busy processes gets: ~1.0 each when two cores are
-    free, ~0.5 when other work on the machine holds one (then no 2-worker run can scale)."""
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        return [round(share, 3) for share in pool.map(_burn, [seconds, seconds])]
 
 
 def run(output_dir: Path, quick: bool = False) -> dict:
@@ -507,14 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--measure-plain", action="store_true", help=argparse.SUPPRESS)  # child of the ceiling run
     parser.add_argument("--warmup-steps", type=int, default=FULL.warmup_steps, help=argparse.SUPPRESS)
     parser.add_argument("--measured-steps", type=int, default=FULL.measured_steps, help=argparse.SUPPRESS)
-    parser.add_argument("--measure-gloo", action="store_true", help=argparse.SUPPRESS)  # child of the gloo probe
-    parser.add_argument("--gloo-rank", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--gloo-port", type=int, default=29500, help=argparse.SUPPRESS)
-    parser.add_argument("--gloo-elements", type=int, default=69632, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.measure_gloo:
-        print(json.dumps(measure_gloo(args.gloo_rank, args.gloo_port, args.gloo_elements)))
-        return
     if args.measure_plain:
         measured = run_plain(prepare_inputs(DATA_ROOT), Sizes(args.warmup_steps, args.measured_steps))
         print(json.dumps({k: v for k, v in measured.items() if k != "loss_history"}))

@@ -1,48 +1,34 @@
 """``RowGroupReader``: deterministic, resumable batches from Parquet row groups.
 
 Order comes from :mod:`training_core.data.order` (pure functions); decoding runs in
-:mod:`training_core.data.workers`; this module wires them, tracks the global position and
+:mod:`training_core.data.workers`, fed by one epoch's producer thread in
+:mod:`training_core.data.epoch_pipeline`; this module wires them, tracks the global position and
 implements ``state_dict`` / ``load_state_dict``. See docs/loader.md for the design.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
-import queue
-import threading
 import time
 import weakref
-from collections import deque
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from .cache import BufferPool, CacheConfig, RowGroupCache
-from .cache_writer import CacheWriter
+from .epoch_pipeline import EpochPipeline, PipelineEnd, PipelineFailure
 from .order import EpochLayout, build_epoch_layout, rank_schedule
 from .order.elastic_positions import RankSchedule
 from .parquet_files import DatasetIndex, RowGroupReadError, index_dataset
 from .stats import ReaderStats, StatsRecorder
 from .window_buffers import WindowBuffers
-from .workers import (
-    THREAD_PREFIX,
-    ReaderClosedError,
-    RowGroupLoader,
-    GatheredWindow,
-    WorkerPool,
-    assemble_window,
-    call_with_timeout,
-    finish_batch,
-    inverse_permutation,
-)
+from .workers import THREAD_PREFIX, RowGroupLoader, call_with_timeout
 
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 _ORDER_KEYS = ("seed", "shuffle", "shuffle_buffer_row_groups", "drop_last")
 _reader_ids = itertools.count()
-_CHUNK = 16  # batches per queue hand-off
 
 
 class ReaderStateError(ValueError):
@@ -57,171 +43,6 @@ class _Position:
         self.layout_world_size, self.layout_batch_size = layout_world_size, layout_batch_size
 
 
-class _End:
-    pass
-
-
-class _Failure:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-class _EpochPipeline:
-    """Producer thread + decode pool for the rest of one epoch on one rank (no reference to the iterator).
-
-    The producer hands over *lists* of batches (at most ``_CHUNK`` each, flushed before it blocks on
-    a read; the first lists hold 1, 2, 4, … batches so that the first batch leaves at once), so
-    queue hand-offs cost little per batch; the queue holds at most
-    ``prefetch_batches / _CHUNK`` lists, which bounds memory whatever the dataset size.
-    """
-
-    def __init__(self, reader: "RowGroupReader", layout: EpochLayout, schedule: RankSchedule) -> None:
-        name = f"{THREAD_PREFIX}-{reader._id}"
-        self.stop = threading.Event()
-        self.batches: queue.Queue = queue.Queue(maxsize=max(1, reader.prefetch_batches // _CHUNK))
-        self.ready: deque = deque()
-        self.pool = WorkerPool(reader.workers, name)
-        self.join_timeout_s = min(1.0, reader.read_timeout_s)  # a read hung in storage cannot be interrupted
-        cache = reader._cache
-        self.writer = None
-        if cache is not None and cache.config.write_queue_bytes > 0:
-            self.writer = CacheWriter(cache, name, cache.config.write_queue_bytes)
-        buffers = reader._read_buffers
-        load = functools.partial(reader._loader.load_piece, writer=self.writer, buffers=buffers)
-        self.locate_cached = reader._loader.locate_cached
-        args = (layout, schedule, load, buffers, reader._window_buffers, self.pool, self.stop, self.batches,
-                reader.read_timeout_s, reader._row_groups_in_flight, reader._index)
-        self.thread = threading.Thread(target=_produce, args=args, name=f"{name}-assemble", daemon=True)
-        self.thread.start()
-
-    def get(self) -> Any:
-        while not self.ready:
-            try:
-                item = self.batches.get(timeout=0.1)
-            except queue.Empty:
-                if not self.thread.is_alive() and self.batches.empty():
-                    raise RowGroupReadError("reader producer thread exited without a result") from None
-                continue
-            if not isinstance(item, list):
-                return item  # _End or _Failure
-            self.ready.extend(item)
-        return self.ready.popleft()
-
-    def close(self) -> None:
-        self.stop.set()
-        while True:  # unblock a producer waiting on a full queue
-            try:
-                self.batches.get_nowait()
-            except queue.Empty:
-                break
-        self.ready.clear()
-        self.thread.join(timeout=5.0)
-        self.pool.close(self.join_timeout_s)
-        if self.writer is not None:
-            self.writer.close()  # stores what is still queued, so the next reader finds it
-            if self.writer.stored:  # new entries: let the next epoch's hits open their files directly
-                self.locate_cached()
-
-
-def _emit(item: Any, batches: queue.Queue, stop: threading.Event) -> None:
-    while not stop.is_set():
-        try:
-            batches.put(item, timeout=0.1)
-            return
-        except queue.Full:
-            continue
-    raise ReaderClosedError("reader closed")
-
-
-def _window_order(layout: EpochLayout, stream: int, window: int) -> tuple[np.ndarray, np.ndarray]:
-    order = layout.window_order(stream, window)
-    return order, inverse_permutation(order)
-
-
-def _produce(layout, schedule, load, buffers, window_buffers, pool, stop, batches, timeout_s, in_flight_limit,
-             index) -> None:
-    """Producer thread: schedule reads ahead, assemble shuffled windows, cut batches."""
-    try:
-        needs = _window_needs(layout, schedule)
-        pending: deque = deque()
-        in_flight = 0
-
-        def fill() -> None:
-            nonlocal in_flight
-            while not pending or in_flight < in_flight_limit:
-                need = next(needs, None)
-                if need is None:
-                    return
-                tasks = []
-                for group, start, stop_row in layout.window_pieces(*need):
-                    ref = index.row_groups[group]
-                    tasks.append(pool.submit(load, ref, int(start), int(stop_row), label=ref.describe()))
-                order = pool.submit(_window_order, layout, *need, label=f"window {need}")
-                pending.append((need, tasks, order))
-                in_flight += len(tasks)
-
-        current: dict[int, tuple[int, Any, list]] = {}  # stream -> (window, rows, read buffers held)
-        out: list[dict[str, np.ndarray]] = []
-        chunk = 1  # grows to _CHUNK: the first batch is handed over as soon as it exists
-        for batch_index in range(schedule.num_batches):
-            parts = []
-            for seg in layout.segments(*schedule.batch_range(batch_index)):
-                held = current.get(seg.stream)
-                if held is None or held[0] != seg.window:
-                    if out:  # hand over what is ready before blocking on reads
-                        _emit(out, batches, stop)
-                        out = []
-                    fill()
-                    need, tasks, order = pending.popleft()
-                    assert need == (seg.stream, seg.window), (need, seg)
-                    pieces = [task.wait(timeout_s, stop) for task in tasks]
-                    in_flight -= len(tasks)
-                    fill()
-                    permutation, inverse = order.wait(timeout_s, stop)
-                    if held is not None:
-                        for buffer in held[2]:
-                            buffers.release(buffer)
-                    arrays, dtypes = [p[0] for p in pieces], [p[1] for p in pieces]
-                    if not current:  # the pipeline's first window: serve it without a window-sized copy
-                        lengths = [int(stop_row - start) for _, start, stop_row in layout.window_pieces(*need)]
-                        held = (seg.window, GatheredWindow(arrays, dtypes, lengths, permutation),
-                                [p[2] for p in pieces])
-                    else:
-                        held = (seg.window, assemble_window(arrays, inverse, dtypes, window_buffers.empty), [])
-                        for piece in pieces:  # rows are copied out: the read buffers can be reused
-                            buffers.release(piece[2])
-                    current[seg.stream] = held
-                window = held[1]
-                if isinstance(window, GatheredWindow):
-                    parts.append(window.rows(seg.lo, seg.hi))
-                else:
-                    parts.append({name: column[seg.lo : seg.hi] for name, column in window.items()})
-            out.append(finish_batch(parts))
-            if len(out) >= chunk:
-                _emit(out, batches, stop)
-                out, chunk = [], min(2 * chunk, _CHUNK)
-        if out:
-            _emit(out, batches, stop)
-        _emit(_End(), batches, stop)
-    except ReaderClosedError:
-        return
-    except BaseException as error:  # noqa: BLE001 - delivered to the consumer
-        try:
-            _emit(_Failure(error), batches, stop)
-        except ReaderClosedError:
-            return
-
-
-def _window_needs(layout: EpochLayout, schedule: RankSchedule) -> Iterator[tuple[int, int]]:
-    """Windows in the order the producer will first need them (same walk as ``_produce``)."""
-    last: dict[int, int] = {}
-    for batch_index in range(schedule.num_batches):
-        for seg in layout.segments(*schedule.batch_range(batch_index)):
-            if last.get(seg.stream) != seg.window:
-                last[seg.stream] = seg.window
-                yield seg.stream, seg.window
-
-
 class _EpochIterator:
     """Iterator over the rest of the epoch; closing or dropping it stops every thread."""
 
@@ -230,9 +51,9 @@ class _EpochIterator:
         self._schedule = reader._schedule()
         self._layout = reader._layout()
         self._delivered = 0
-        self._pipeline: _EpochPipeline | None = None
+        self._pipeline: EpochPipeline | None = None
         if self._schedule.num_batches:
-            self._pipeline = _EpochPipeline(reader, self._layout, self._schedule)
+            self._pipeline = EpochPipeline(reader, self._layout, self._schedule)
             self._finalizer = weakref.finalize(self, self._pipeline.close)
         else:
             reader._advance_epoch()
@@ -248,10 +69,10 @@ class _EpochIterator:
         began = time.perf_counter()
         item = self._pipeline.get()
         waited = time.perf_counter() - began
-        if isinstance(item, (_End, _Failure)):
+        if isinstance(item, (PipelineEnd, PipelineFailure)):
             self.close()
             reader._stats.record_wait(waited)
-            if isinstance(item, _End):
+            if isinstance(item, PipelineEnd):
                 raise StopIteration
             error = item.error
             if isinstance(error, RowGroupReadError):

@@ -1,0 +1,119 @@
+"""What the machine gives a benchmark at the moment it runs, recorded next to the results.
+
+- ``machine_info``: CPU, load, versions.
+- ``cpu_share_probe``: CPU-seconds per wall-second two busy processes get (is the machine shared?).
+- ``gloo_latency_probe``: µs per gloo collective between two single-threaded processes, at the
+  sizes a ZeRO-2 LoRA step sends (the floor a 2-worker step pays over 1).
+
+``python -m bench.machine_probes --measure-gloo --gloo-rank R …`` is the probe's child process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def machine_info() -> dict:
+    import deepspeed
+    import peft
+    import ray
+    import torch
+    import transformers
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": model,
+        "load_average_1m_at_start": os.getloadavg()[0],
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "ray": ray.__version__,
+    }
+
+
+def measure_gloo(rank: int, port: int, elements: int, repeats: int = 500) -> dict:
+    """Microseconds per gloo collective between two single-threaded processes on this machine, for
+    the sizes a ZeRO-2 LoRA step sends: the gradient all-reduce, the grad-norm all-reduce (1
+    element) and the parameter all-gather. Their sum is the floor a 2-worker step pays over 1."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    gradient, norm = torch.zeros(elements), torch.zeros(1)
+    gathered, shard = torch.zeros(elements), torch.zeros(elements // 2)
+    operations = {
+        "all_reduce_gradients": lambda: dist.all_reduce(gradient),
+        "all_reduce_norm": lambda: dist.all_reduce(norm),
+        "all_gather_parameters": lambda: dist.all_gather_into_tensor(gathered, shard),
+    }
+    result = {}
+    for name, operation in operations.items():
+        for _ in range(20):
+            operation()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            operation()
+        result[name] = 1e6 * (time.perf_counter() - started) / repeats
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def gloo_latency_probe(elements: int) -> dict:
+    port = 29000 + os.getpid() % 1000
+    command = [sys.executable, "-m", "bench.machine_probes", "--measure-gloo", f"--gloo-port={port}",
+               f"--gloo-elements={elements}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes = [subprocess.Popen([*command, f"--gloo-rank={rank}"], cwd=BENCH_DIR.parent, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for rank in (0, 1)]
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+    if any(process.returncode != 0 for process in processes):
+        raise RuntimeError("gloo latency probe failed")
+    microseconds = json.loads(outputs[0].strip().splitlines()[-1])
+    return {"elements": elements, "us_per_collective": microseconds,
+            "us_per_zero2_step": sum(microseconds.values())}
+
+
+def _burn(seconds: float) -> float:
+    started, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - started < seconds:
+        pass
+    return (time.process_time() - cpu) / (time.perf_counter() - started)
+
+
+def cpu_share_probe(seconds: float = 2.0) -> list[float]:
+    """CPU-seconds per wall-second each of two busy processes gets: ~1.0 each when two cores are
+    free, ~0.5 when other work on the machine holds one (then no 2-worker run can scale)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        return [round(share, 3) for share in pool.map(_burn, [seconds, seconds])]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--measure-gloo", action="store_true", required=True)
+    parser.add_argument("--gloo-rank", type=int, default=0)
+    parser.add_argument("--gloo-port", type=int, default=29500)
+    parser.add_argument("--gloo-elements", type=int, default=69632)
+    args = parser.parse_args(argv)
+    print(json.dumps(measure_gloo(args.gloo_rank, args.gloo_port, args.gloo_elements)))
+
+
+if __name__ == "__main__":
+    main()
