@@ -365,3 +365,22 @@ def test_located_entries_fall_back_when_evicted_by_another_handle(tmp_path):
     assert cache.counters.corruptions == 0 and cache.counters.misses == 1
     cache.close()
     other.close()
+
+
+def test_stores_remember_value_files_and_forget_evicted_keys(tmp_path):
+    """Entries stored through a handle are found like :meth:`RowGroupCache.locate` finds them (no
+    re-scan after an epoch); evicted keys are forgotten; a stale path falls back to the lookup."""
+    cache = RowGroupCache(CacheConfig(tmp_path / "c", 1_000_000, policy="evict", shards=1))
+    for i in range(30):
+        assert cache.put(f"k{i}", entry(i))
+    assert cache.counters.evictions > 0
+    remembered = dict(cache._files)
+    assert "k29" in remembered and "k0" not in remembered
+    assert all(os.path.exists(path) for path in remembered.values())
+    assert len(remembered) == len(cache)
+    assert cache.locate(list(remembered)) == len(remembered) and cache._files == remembered
+    os.remove(remembered["k29"])  # a stale path: the normal lookup takes over (and sees the damage)
+    buffers = BufferPool()
+    assert cache.get_pooled("k28", "k28", buffers)[0]["x"][0, 0] == 28
+    assert cache.get_pooled("k29", "k29", buffers) is None and "k29" not in cache._files
+    cache.close()

@@ -29,7 +29,6 @@ import numpy as np
 from .cache_payload import (
     PAYLOAD_FORMAT,
     CorruptEntryError,
-    ValueRanges,
     decode_payload_views,
     encode_chunks,
     narrow_columns,
@@ -138,7 +137,7 @@ class _ValueDisk(diskcache.Disk):
     nearly every store of a young cache pays two ``mkdir`` calls (a fifth of a 1 MB store here).
     Rows keep the relative file name, so any diskcache handle reads these entries. Remembers the
     files it created while a batch is open (:meth:`RowGroupCache.put_many`), so that the files of a
-    rolled-back transaction can be deleted.
+    rolled-back transaction can be deleted and those of a committed one remembered for hits.
     """
 
     def __init__(self, directory: str, **kwargs: Any) -> None:
@@ -173,19 +172,23 @@ class RowGroupCache:
         self._shard_limit = config.size_limit_bytes // config.shards
         self._lock = threading.Lock()
         self.counters = CacheCounters()
-        self._files: dict[str, str] = {}  # key -> value file, from :meth:`locate`
+        self._files: dict[str, str] = {}  # key -> value file, from :meth:`locate` and this handle's stores
 
     def locate(self, keys: Sequence[str]) -> int:
-        """Look up where the value files of ``keys`` are (one query per shard, on this thread), so
+        """Look up where the value files of ``keys`` are (each shard queried for its own keys, on this thread), so
         that hits open the file directly instead of a SQLite connection per decode thread and
         shard. Safe against concurrent writers: value files are never rewritten in place (diskcache
         writes a new file and deletes the old one), so a remembered path is either the complete
         entry or gone, and a missing file falls back to a normal lookup. Returns how many it found."""
         found: dict[str, str] = {}
+        groups: dict[int, list[str]] = {}
         try:
-            for shard in self._cache._shards:  # pinned diskcache 5.6: Cache table (key, raw, filename)
-                for begin in range(0, len(keys), 500):
-                    chunk = list(keys[begin : begin + 500])
+            for key in keys:
+                groups.setdefault(self._shard_of(key), []).append(key)
+            for index, shard_keys in groups.items():  # pinned diskcache 5.6: Cache table (key, raw, filename)
+                shard = self._cache._shards[index]
+                for begin in range(0, len(shard_keys), 500):
+                    chunk = shard_keys[begin : begin + 500]
                     marks = ",".join("?" * len(chunk))
                     rows = shard._sql(f"SELECT key, filename FROM Cache WHERE raw = 1 AND key IN ({marks})", chunk)
                     found.update((key, os.path.join(shard.directory, name)) for key, name in rows.fetchall() if name)
@@ -244,13 +247,12 @@ class RowGroupCache:
         self._count(hits=1)
         return arrays, logical, buffer
 
-    def put(self, key: str, arrays: dict[str, np.ndarray], value_ranges: ValueRanges | None = None) -> bool:
+    def put(self, key: str, arrays: dict[str, np.ndarray]) -> bool:
         """Store one entry if the quota allows (after evicting, under ``policy="evict"``); errors propagate.
 
-        Integer columns are narrowed first; ``value_ranges``: known ``(min, max)`` of integer columns
-        (Parquet statistics), so that narrowing needs no scan; only pass ranges of these very arrays."""
+        Integer columns are narrowed first (by a scan of their values)."""
         logical = {name: array.dtype for name, array in arrays.items()}
-        return self.store(key, narrow_columns(arrays, value_ranges), logical)
+        return self.store(key, narrow_columns(arrays), logical)
 
     def store(self, key: str, columns: dict[str, np.ndarray], logical: dict[str, np.dtype]) -> bool:
         """:meth:`put` for columns already narrowed (see :data:`Entry`); errors propagate."""
@@ -283,23 +285,35 @@ class RowGroupCache:
         return self._cache._hash(key) % len(self._cache._shards)  # pinned diskcache 5.6
 
     def _store_in_shard(self, shard_index: int, entries: Sequence[Entry]) -> list[bool]:
-        """One ``BEGIN IMMEDIATE`` transaction; per entry: encode (header + checksum), measure the
-        volume, evict or refuse, write the value file, insert the row. The row commits after its file is
-        complete, so no reader, in this process or another, ever sees a torn entry; on failure
-        the transaction rolls back and the files it wrote are deleted."""
+        """Encode every entry (header + checksum) and drop those larger than a shard, then one
+        ``BEGIN IMMEDIATE`` transaction; per entry: measure the volume, evict or refuse, write the
+        value file, insert the row. The row commits after its file is complete, so no reader, in this
+        process or another, ever sees a torn entry; on failure the transaction rolls back and the
+        files it wrote are deleted. After the commit the stored entries' value files are remembered
+        (like :meth:`locate`), so that later hits on this handle open them directly."""
         shard = self._cache._shards[shard_index]
         disk: _ValueDisk = shard.disk
+        # encoding and checksumming happen outside the cross-process lock
+        prepared: list[tuple[str, list, int, int] | None] = []
+        for key, columns, logical in entries:
+            chunks = [chunk for chunk in encode_chunks(columns, logical) if memoryview(chunk).nbytes]
+            size = sum(memoryview(chunk).nbytes for chunk in chunks)
+            needed = size + len(key) + _SQLITE_SLACK
+            prepared.append(None if needed > self._shard_limit else (key, chunks, size, needed))
         results, evicted, stored_bytes = [], 0, 0
         created: list[str] = []
+        files: dict[str, str] = {}  # key -> value file written in this transaction
+        evicted_keys: list[str] = []
         disk.batch.created = created
         try:
             with shard.transact(retry=True):
-                for key, columns, logical in entries:
-                    chunks = [chunk for chunk in encode_chunks(columns, logical) if memoryview(chunk).nbytes]
-                    size = sum(memoryview(chunk).nbytes for chunk in chunks)
-                    needed = size + len(key) + _SQLITE_SLACK
+                for item in prepared:
+                    if item is None:
+                        results.append(False)
+                        continue
+                    key, chunks, size, needed = item
                     excess = shard.volume() + needed - self._shard_limit
-                    if needed > self._shard_limit or (excess > 0 and self.config.policy == "stop_admitting"):
+                    if excess > 0 and self.config.policy == "stop_admitting":
                         results.append(False)
                         continue
                     while excess > 0:
@@ -312,11 +326,16 @@ class RowGroupCache:
                             if shard.delete(old_key, retry=True):
                                 evicted += 1
                                 excess -= old_size
+                                evicted_keys.append(old_key)
+                                files.pop(old_key, None)
                     if excess > 0:  # only SQLite overhead left: cannot make room
                         results.append(False)
                         continue
+                    written = len(created)
                     # read=True streams the chunks to the value file (diskcache would split raw bytes at b"\n")
                     shard.set(key, _ChunkReader(chunks), read=True, retry=True)
+                    if len(created) > written:  # read=True always writes a value file (pinned diskcache 5.6)
+                        files[key] = created[-1]
                     results.append(True)
                     stored_bytes += size
         except BaseException:
@@ -326,6 +345,9 @@ class RowGroupCache:
             raise
         finally:
             disk.batch.created = None
+        for key in evicted_keys:
+            self._files.pop(key, None)
+        self._files.update(files)
         self._count(evictions=evicted, stored_bytes=stored_bytes, rejected=results.count(False))
         return results
 

@@ -29,7 +29,6 @@ class CacheWriter:
 
     def __init__(self, cache: RowGroupCache, name: str, max_pending_bytes: int) -> None:
         self.cache, self.max_pending_bytes = cache, max_pending_bytes
-        self.stored = 0  # entries this writer stored
         self._pending: deque = deque()
         self._pending_bytes = 0
         self._closing = False
@@ -71,7 +70,7 @@ class CacheWriter:
     def _run(self) -> None:
         while (batch := self._next_batch()) is not None:
             try:
-                self.stored += sum(self.cache.put_many([item[:3] for item in batch]))
+                self.cache.put_many([item[:3] for item in batch])
             except Exception as error:  # noqa: BLE001 - put_many counts its own failures; this is a bug guard
                 logger.warning("row-group cache: storing entries failed: %s: %s", type(error).__name__, error)
                 self.cache._count(write_errors=len(batch))

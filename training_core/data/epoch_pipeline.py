@@ -53,7 +53,6 @@ class EpochPipeline:
             self.writer = CacheWriter(cache, name, cache.config.write_queue_bytes)
         buffers = reader._read_buffers
         load = functools.partial(reader._loader.load_piece, writer=self.writer, buffers=buffers)
-        self.locate_cached = reader._loader.locate_cached
         args = (layout, schedule, load, buffers, reader._window_buffers, self.pool, self.stop, self.batches,
                 reader.read_timeout_s, reader._row_groups_in_flight, reader._index)
         self.thread = threading.Thread(target=_produce, args=args, name=f"{name}-assemble", daemon=True)
@@ -83,9 +82,9 @@ class EpochPipeline:
         self.thread.join(timeout=5.0)
         self.pool.close(self.join_timeout_s)
         if self.writer is not None:
-            self.writer.close()  # stores what is still queued, so the next reader finds it
-            if self.writer.stored:  # new entries: let the next epoch's hits open their files directly
-                self.locate_cached()
+            # stores what is still queued, so the next reader finds it; the cache handle remembers the
+            # value files it wrote, so the next epoch's hits open them directly (no re-scan)
+            self.writer.close()
 
 
 def _emit(item: Any, batches: queue.Queue, stop: threading.Event) -> None:

@@ -148,17 +148,9 @@ def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo) -> tuple[ParquetFile, 
             schema = metadata.schema.to_arrow_schema()
     except Exception as error:  # noqa: BLE001 - re-raised with the file named
         raise RowGroupReadError(f"{info.path}: cannot read the Parquet footer: {error}") from error
-    nullable = set()
-    for index in range(metadata.num_row_groups):
-        row_group = metadata.row_group(index)
-        for column in range(row_group.num_columns):
-            chunk = row_group.column(column)
-            stats = chunk.statistics
-            if stats is not None and stats.has_null_count and stats.null_count > 0:
-                nullable.add(chunk.path_in_schema.split(".")[0])
+    ranges, nullable = row_group_statistics(metadata, schema)
     mtime = info.mtime_ns if info.mtime is not None else None
     sizes = tuple(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
-    ranges = integer_value_ranges(metadata, schema)
     return ParquetFile(info.path, int(info.size or 0), mtime, sizes, ranges), schema, nullable
 
 
@@ -168,8 +160,13 @@ def _is_integer_or_integer_list(kind: pa.DataType) -> bool:
     return pa.types.is_integer(kind)
 
 
-def integer_value_ranges(metadata: pq.FileMetaData, schema: pa.Schema) -> tuple[tuple[tuple[str, int, int], ...], ...]:
-    """Per row group, ``(column, min, max)`` for each integer (or list-of-integer) column whose chunk
+def row_group_statistics(
+    metadata: pq.FileMetaData, schema: pa.Schema
+) -> tuple[tuple[tuple[tuple[str, int, int], ...], ...], set[str]]:
+    """One pass over every row group's column statistics: the integer value ranges (below) and the
+    columns that hold nulls anywhere in the file.
+
+    Ranges: per row group, ``(column, min, max)`` for each integer (or list-of-integer) column whose chunk
     statistics have a min and max. The cache narrows integers with these instead of scanning them.
     Only what the Parquet reader itself trusts is used: it hides the min/max of writers known to
     write wrong statistics (``has_min_max`` is then false). A column with more than one leaf is
@@ -181,19 +178,23 @@ def integer_value_ranges(metadata: pq.FileMetaData, schema: pa.Schema) -> tuple[
         leaves[name] = leaves.get(name, 0) + 1
     wanted = {name for name, count in leaves.items()
               if count == 1 and name in schema.names and _is_integer_or_integer_list(schema.field(name).type)}
-    ranges = []
+    ranges, nullable = [], set()
     for index in range(metadata.num_row_groups):
         row_group, found = metadata.row_group(index), []
         for column in range(row_group.num_columns):
             chunk = row_group.column(column)
-            name = chunk.path_in_schema.split(".")[0]
             stats = chunk.statistics
-            if name in wanted and stats is not None and stats.has_min_max and chunk.physical_type in ("INT32", "INT64"):
+            if stats is None:
+                continue
+            name = chunk.path_in_schema.split(".")[0]
+            if stats.has_null_count and stats.null_count > 0:
+                nullable.add(name)
+            if name in wanted and stats.has_min_max and chunk.physical_type in ("INT32", "INT64"):
                 low, high = stats.min, stats.max
                 if isinstance(low, int) and isinstance(high, int) and low <= high:
                     found.append((name, low, high))
         ranges.append(tuple(found))
-    return tuple(ranges)
+    return tuple(ranges), nullable
 
 
 def default_columns(schema: pa.Schema) -> list[str]:

@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 

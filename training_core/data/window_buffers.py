@@ -32,7 +32,6 @@ class WindowBuffers:
 
     def __init__(self, max_free: int = 6) -> None:
         self.max_free = max_free
-        self.allocated = 0  # blocks taken from the allocator
         self.reused = 0  # requests served from the pool
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
@@ -57,7 +56,6 @@ class WindowBuffers:
         with self._lock:
             fitting = [i for i, block in enumerate(self._free) if nbytes <= block.nbytes <= 2 * nbytes]
             if not fitting:
-                self.allocated += 1
                 return None
             self.reused += 1
             return self._free.pop(min(fitting, key=lambda i: self._free[i].nbytes))
