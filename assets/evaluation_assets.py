@@ -50,16 +50,17 @@ def evaluation(
     records = window.eval_records()
     base, trained = evaluate_against_base(base_model.name_or_path, lora_adapter.model_dir, records)
     tracking = mlflow_tracker.client()
-    with tempfile.TemporaryDirectory() as tmp:
-        champion = ModelRegistry(tracking, REGISTERED_MODEL, CHAMPION_ALIAS).download_champion(tmp)
-        champion_metrics = None
-        if champion is not None and champion[0] != lora_adapter.mlflow_run_id:
-            champion_metrics = evaluate_trained(champion[1], champion[2], records)
+    registry = ModelRegistry(tracking, REGISTERED_MODEL, CHAMPION_ALIAS)
+    champion = registry.champion()
+    champion_metrics = None
+    if champion is not None and champion.run_id != lora_adapter.mlflow_run_id:  # a reused run often is it
+        with tempfile.TemporaryDirectory() as tmp:
+            champion_metrics = evaluate_trained(*registry.download(champion, tmp), records)
     report = EvaluationReport(base, trained, lora_adapter.model_dir, lora_adapter.mlflow_run_id, champion_metrics)
     tracking.log_metrics(lora_adapter.mlflow_run_id, report.as_metrics())
     yield dg.Output(report, metadata={k: float(v) for k, v in report.as_metrics().items()})
     yield _beats_base_model(report)
-    yield _not_worse_than_champion(report, champion[0] if champion else None)
+    yield _not_worse_than_champion(report, champion.run_id if champion else None)
 
 
 def _beats_base_model(report: EvaluationReport) -> dg.AssetCheckResult:

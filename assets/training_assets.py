@@ -16,6 +16,7 @@ from training_core.base_model import BaseModelRef
 from training_core.data.window import DatasetWindow, window_digest
 from training_core.runs import TrainingInputs, run_tracked_training
 from training_core.train.config import parse_training_config
+from training_core.train.telemetry import STEP_PHASES
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def lora_adapter(
             "mfu": telemetry.get("mfu", 0.0),
             "peak_memory_mb": telemetry.get("peak_memory_mb", 0.0),
             **{f"step_time_{phase}_s": telemetry.get(f"{phase}_s", 0.0)
-               for phase in ("data_wait", "forward", "backward", "optimizer")},
+               for phase in STEP_PHASES},
             **{f"step_time_{phase}_blocked_s": telemetry.get(f"{phase}_blocked_s", 0.0)
                for phase in ("backward", "optimizer")},
             "time_to_first_step_s": telemetry.get("time_to_first_step_s", 0.0),

@@ -25,7 +25,6 @@ the gloo latency probe live in :mod:`bench.machine_probes`.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import os
@@ -40,19 +39,25 @@ from typing import Any
 import numpy as np
 
 from bench.machine_probes import cpu_share_probe, gloo_latency_probe, machine_info
+from training_core.base_model import TinyLlamaSpec, build_demo_model
+from training_core.train.telemetry import STEP_PHASES
 
 logger = logging.getLogger("bench.training")
 
 BENCH_DIR = Path(__file__).resolve().parent
 DATA_ROOT = BENCH_DIR / ".data" / "training"
 
-# The model every configuration trains (vocab = 4 special tokens + 508 word types = 512).
-HIDDEN, INTERMEDIATE, LAYERS, HEADS, VOCAB = 128, 256, 2, 4, 512
+# The model every configuration trains: the pipeline's demo model (training_core.base_model), on a
+# 508-word vocabulary (+ 4 special tokens = 512).
+_SPEC = TinyLlamaSpec()
+HIDDEN, INTERMEDIATE, LAYERS, HEADS = _SPEC.hidden_size, _SPEC.intermediate_size, _SPEC.num_hidden_layers, \
+    _SPEC.num_attention_heads
+VOCAB = 512
 SEQ_LEN, MICRO_BATCH, LORA_R = 64, 4, 16
 WORD_TYPES = VOCAB - 4
 PROMPT_WORDS, RESPONSE_WORDS = 20, 40  # 1 + 20 + 40 + 1 = 62 tokens: one example per 64-token row
 RECORDS = 2400
-INPUT_SPEC = {"version": 1, "vocab": VOCAB, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "layers": LAYERS,
+INPUT_SPEC = {"version": 2, "vocab": VOCAB, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "layers": LAYERS,
               "heads": HEADS, "seq_len": SEQ_LEN, "records": RECORDS, "seed": 0}
 
 
@@ -92,28 +97,16 @@ def prepare_inputs(root: Path) -> BenchInputs:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
-    from training_core.base_model import train_demo_tokenizer
     from training_core.data.dataset_writer import DatasetSpec, write_dataset
 
     words = [f"w{index:03d}" for index in range(WORD_TYPES)]
-    tokenizer = train_demo_tokenizer([" ".join(words)])
-    if len(tokenizer) != VOCAB:
-        raise RuntimeError(f"benchmark tokenizer has {len(tokenizer)} tokens, expected {VOCAB}")
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=256,
-        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-    model_dir = root / "model"
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model = build_demo_model([" ".join(words)], _SPEC, root / "model")
+    if model.vocab_size != VOCAB:
+        raise RuntimeError(f"benchmark tokenizer has {model.vocab_size} tokens, expected {VOCAB}")
+    model_dir = model.name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     rng = np.random.default_rng(0)
     records = [
@@ -221,11 +214,9 @@ def run_tessera_once(inputs: BenchInputs, name: str, max_steps: int, storage: Pa
     config = training_config(max_steps, **TESSERA_CONFIGS[name])
     run_name = f"{name}-{max_steps}-{time.strftime('%H%M%S')}-{os.getpid()}"
     shm_before, started = shm_op_mtime(), time.perf_counter()
-    # run_training takes the training window's partitions as `train_dirs` (older: one `train_dir`).
-    data = ({"train_dirs": [inputs.train_dir]} if "train_dirs" in inspect.signature(run_training).parameters
-            else {"train_dir": inputs.train_dir})
     result = run_training(config, model_path=inputs.model_dir, seq_len=SEQ_LEN, cache_dir=inputs.cache_dir,
-                          storage_path=storage, run_name=run_name, output_dir=output, max_failures=0, **data)
+                          storage_path=storage, run_name=run_name, output_dir=output, max_failures=0,
+                          train_dirs=[inputs.train_dir])
     wall = time.perf_counter() - started
     if result.steps != max_steps or result.restarts:
         raise RuntimeError(f"{name}: ran {result.steps}/{max_steps} steps with {result.restarts} restarts")
@@ -243,7 +234,7 @@ def run_tessera(inputs: BenchInputs, name: str, sizes: Sizes, storage: Path, out
     s_per_step = (long["loop_s"] - short["loop_s"]) / n
     phases = {
         phase: (long["telemetry"][f"{phase}_s"] - short["telemetry"][f"{phase}_s"]) / n
-        for phase in ("data_wait", "forward", "backward", "optimizer")
+        for phase in STEP_PHASES
     }
     phases["other"] = s_per_step - sum(phases.values())  # bookkeeping
     # Wall minus the step thread's CPU time: where it blocked (collectives, in backward/optimizer).

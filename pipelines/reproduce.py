@@ -6,9 +6,9 @@ from rich.console import Console
 from rich.table import Table
 
 from resources import MlflowTracker, RowGroupCache, TesseraStorage
-from training_core.data.dataset_writer import read_eval_records
+from training_core.data.window import eval_records
 from training_core.errors import LineageError
-from training_core.evaluate.compare import evaluate_against_base
+from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
 from training_core.reproduce import compare_runs, load_recorded_run
 from training_core.runs import run_tracked_training
 
@@ -30,9 +30,10 @@ def reproduce_run(run_id: str, console: Console) -> int:
         models_dir=storage.folder("models") / "trained", extra_tags={"reproduces": run_id},
         run_name_suffix=f"reproduce-{uuid.uuid4().hex[:8]}", reuse_finished=False,
     )
-    dataset_records = [r for path in recorded.inputs.dataset_paths for r in read_eval_records(path)]
-    base, trained = evaluate_against_base(recorded.inputs.base_model, tracked.result.model_dir, dataset_records)
-    tracking.log_metrics(tracked.mlflow_run_id, {**base.as_dict("eval_base_"), **trained.as_dict("eval_")})
+    records = eval_records(recorded.inputs.dataset_paths)
+    base, trained = evaluate_against_base(recorded.inputs.base_model, tracked.result.model_dir, records)
+    report = EvaluationReport(base, trained, tracked.result.model_dir, tracked.mlflow_run_id)
+    tracking.log_metrics(tracked.mlflow_run_id, report.as_metrics())
     rows = compare_runs(tracking, run_id, tracked.mlflow_run_id)
     table = Table(title=f"reproduce {run_id} → {tracked.mlflow_run_id}")
     for column in ("metric", "original", "reproduced", "match"):

@@ -17,6 +17,7 @@ def local_resources() -> dict:
     return {
         "storage": storage,
         # connect=False: the training asset connects only when it really trains (not for a reuse).
+        # Passed explicitly: the resources' field defaults are not applied when Dagster builds them.
         "ray_cluster": ExternalRayCluster(address=address, lifecycle=LAZY) if address
         else LocalRayCluster(ray_init_options={"logging_level": "warning"}, lifecycle=LAZY),
         "mlflow_tracker": MlflowTracker(storage=storage),

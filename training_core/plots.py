@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from training_core.train.telemetry import STEP_PHASES  # noqa: E402
+
 
 def plot_loss_curve(loss_history: list[tuple[int, float]], path: Path, title: str = "train loss") -> Path:
     figure, axis = plt.subplots(figsize=(6, 3.5), dpi=100)
@@ -25,7 +27,7 @@ def plot_loss_curve(loss_history: list[tuple[int, float]], path: Path, title: st
 
 
 def plot_step_time(telemetry: dict, path: Path) -> Path:
-    phases = ["data_wait", "forward", "backward", "optimizer"]
+    phases = list(STEP_PHASES)
     figure, axis = plt.subplots(figsize=(6, 3), dpi=100)
     axis.barh(phases, [telemetry.get(f"{p}_s", 0.0) for p in phases], label="wall")
     # Wall minus the step thread's CPU time: waiting, mostly on collectives (CPU runs).

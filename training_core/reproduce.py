@@ -80,7 +80,7 @@ def compare_runs(tracking: MlflowTracking, original_id: str, reproduced_id: str)
     client = tracking.client
 
     def curve(run_id: str) -> list[float]:
-        return [m.value for m in sorted(client.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)]
+        return [loss for _, loss in tracking.loss_history(run_id)]
 
     rows = []
     original_curve, reproduced_curve = curve(original_id), curve(reproduced_id)

@@ -52,11 +52,11 @@ def find_reusable_run(tracking: MlflowTracking, lineage: dict[str, str]) -> Trac
         model_dir = run.data.tags.get("model_dir")
         if "reproduces" in run.data.tags or not model_dir or not Path(model_dir).is_dir():
             continue
-        history = sorted(tracking.client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step)
+        history = tracking.loss_history(run.info.run_id)
         metrics = run.data.metrics
         result = TrainingResult(
             run_name=run.info.run_name, model_dir=model_dir, steps=int(metrics.get("steps", len(history))),
-            restarts=int(metrics.get("restarts", 0)), loss_history=[(m.step, m.value) for m in history],
+            restarts=int(metrics.get("restarts", 0)), loss_history=history,
             telemetry=dict(metrics), deepspeed_config={},
         )
         return TrackedRun(mlflow_run_id=run.info.run_id, result=result, lineage=dict(run.data.params), reused=True)

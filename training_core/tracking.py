@@ -63,6 +63,11 @@ class MlflowTracking:
         dataset = MetaDataset(source=source, name="training_dataset", digest=digest[:36])
         self.client.log_inputs(run_id, datasets=[mlflow.entities.DatasetInput(dataset._to_mlflow_entity())])
 
+    def loss_history(self, run_id: str) -> list[tuple[int, float]]:
+        """The run's train-loss curve as (step, loss), in step order."""
+        history = self.client.get_metric_history(run_id, "train_loss")
+        return [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)]
+
     def log_metrics(self, run_id: str, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
             self.client.log_metric(run_id, key, float(value))
@@ -89,14 +94,11 @@ class ModelRegistry:
         except MlflowException:
             return None
 
-    def download_champion(self, destination: Path) -> tuple[str, str, str] | None:
-        """(run_id, base_model, local model dir) of the champion, or None."""
-        version = self.champion()
-        if version is None:
-            return None
+    def download(self, version, destination: Path) -> tuple[str, str]:
+        """(base_model, local model dir) of a registered version, e.g. the `champion()`."""
         run = self.client.get_run(version.run_id)
         local = self.client.download_artifacts(version.run_id, "model", str(destination))
-        return version.run_id, run.data.params["base_model"], local
+        return run.data.params["base_model"], local
 
     def promote(self, run_id: str) -> tuple[str, bool]:
         """Register the run's model and move the alias to it. Returns (version, changed); promoting

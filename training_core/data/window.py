@@ -44,4 +44,9 @@ class DatasetWindow:
         return self.datasets[0].seq_len
 
     def eval_records(self) -> list[dict[str, str]]:
-        return [record for dataset in self.datasets for record in read_eval_records(dataset.path)]
+        return eval_records(self.paths)
+
+
+def eval_records(dataset_paths: list[str]) -> list[dict[str, str]]:
+    """The held-out prompts of every dataset in a training window, in window order."""
+    return [record for path in dataset_paths for record in read_eval_records(path)]

@@ -20,6 +20,9 @@ def model_flops_per_token(parameters: int, trainable: int, layers: int, hidden: 
     return 4.0 * parameters + 2.0 * trainable + 12.0 * layers * hidden * seq_len
 
 
+STEP_PHASES = ("data_wait", "forward", "backward", "optimizer")
+
+
 @dataclass
 class StepTimer:
     data_wait_s: float = 0.0
@@ -32,7 +35,7 @@ class StepTimer:
     # Wall minus this thread's CPU time, per phase: on CPU, where the step thread blocks. In
     # backward and optimizer that is mostly waiting on collectives (gradient reduce, all-gather);
     # with several intra-op threads it also includes waiting for them. On GPU it is launch/sync.
-    blocked_s: dict[str, float] = field(default_factory=dict)
+    blocked: dict[str, float] = field(default_factory=dict)  # phase -> seconds
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -41,10 +44,9 @@ class StepTimer:
         try:
             yield
         finally:
-            setattr(self, f"{name}_s", getattr(self, f"{name}_s") + time.perf_counter() - started)
-            self.blocked_s[name] = self.blocked_s.get(name, 0.0) + (
-                time.perf_counter() - started - (time.thread_time() - cpu_started)
-            )
+            wall = time.perf_counter() - started
+            setattr(self, f"{name}_s", getattr(self, f"{name}_s") + wall)
+            self.blocked[name] = self.blocked.get(name, 0.0) + wall - (time.thread_time() - cpu_started)
 
     def summary(self, flops_per_token: float, preset: str, world_size: int) -> dict:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
@@ -53,8 +55,8 @@ class StepTimer:
         achieved = tokens_per_s * flops_per_token
         peak = PEAK_FLOPS.get(preset)
         result = {
-            **{k: v for k, v in asdict(self).items() if k.endswith("_s") and k != "blocked_s"},
-            **{f"{phase}_blocked_s": seconds for phase, seconds in self.blocked_s.items()},
+            **{k: v for k, v in asdict(self).items() if k.endswith("_s")},
+            **{f"{phase}_blocked_s": seconds for phase, seconds in self.blocked.items()},
             "steps": self.steps,
             "elapsed_s": elapsed,
             "tokens_per_s": tokens_per_s,
