@@ -118,7 +118,6 @@ def run_tracked_training(
         tracking.log_training(
             run_id, lineage=lineage, config=config.model_dump(mode="json"), result=result, dataset_paths=inputs.dataset_paths
         )
-        tracking.client.set_tag(run_id, "model_dir", result.model_dir)
     except BaseException:
         tracking.end_run(run_id, status="FAILED")
         raise

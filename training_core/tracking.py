@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
 import mlflow
+from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from training_core.plots import plot_loss_curve, plot_step_time
@@ -34,13 +36,15 @@ class MlflowTracking:
 
     def log_training(self, run_id: str, *, lineage: dict[str, str], config: dict, result, dataset_paths: list[str]) -> None:
         client = self.client
-        for key, value in lineage.items():
-            client.log_param(run_id, key, value)
-        for step, loss in result.loss_history:
-            client.log_metric(run_id, "train_loss", loss, step=step)
         numeric = {k: float(v) for k, v in result.telemetry.items() if isinstance(v, (int, float))}
-        for key, value in {**numeric, "restarts": result.restarts, "steps": result.steps}.items():
-            client.log_metric(run_id, key, float(value))
+        summary = {**numeric, "restarts": result.restarts, "steps": result.steps}
+        self.log_batch(
+            run_id,
+            params=lineage,
+            metrics=summary,
+            series={"train_loss": result.loss_history},
+            tags={"model_dir": result.model_dir},
+        )
         for path in dataset_paths:
             self._log_dataset_input(run_id, path, Path(path).name)
         with tempfile.TemporaryDirectory() as tmp:
@@ -69,8 +73,30 @@ class MlflowTracking:
         return [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)]
 
     def log_metrics(self, run_id: str, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            self.client.log_metric(run_id, key, float(value))
+        self.log_batch(run_id, metrics=metrics)
+
+    def log_batch(
+        self,
+        run_id: str,
+        *,
+        params: dict[str, str] | None = None,
+        metrics: dict[str, float] | None = None,
+        series: dict[str, list[tuple[int, float]]] | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
+        """Params, single metrics (step 0), metric series ``(step, value)`` and tags in one
+        ``log_batch`` (MLflow splits it to its per-request limits): a transaction per chunk instead
+        of one SQLite round trip per value, which for a 1 000-step loss curve was 1 000 of them."""
+        now = int(time.time() * 1000)
+        metric_list = [Metric(key, float(value), now, 0) for key, value in (metrics or {}).items()]
+        for key, points in (series or {}).items():
+            metric_list += [Metric(key, float(value), now, int(step)) for step, value in points]
+        self.client.log_batch(
+            run_id,
+            metrics=metric_list,
+            params=[Param(key, str(value)) for key, value in (params or {}).items()],
+            tags=[RunTag(key, str(value)) for key, value in (tags or {}).items()],
+        )
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
