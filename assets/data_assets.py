@@ -12,7 +12,7 @@ from resources import TesseraStorage
 from training_core.base_model import BaseModelRef, load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, PublishedDataset, write_dataset
 from training_core.data.demo_task import generate_records
-from training_core.data.quality import run_dataset_checks
+from training_core.data.quality import DATASET_CHECK_NAMES, run_dataset_checks
 from training_core.data.sources import read_records
 from training_core.errors import EmptyPartitionError
 from training_core.storage import directory_digest, publish_directory, staging_directory
@@ -67,14 +67,11 @@ class TrainingDatasetConfig(dg.Config):
     max_eval_examples: int = Field(200, gt=0)
 
 
-DATASET_CHECKS = ("schema", "no_empty_rows", "no_duplicate_rows", "token_lengths", "no_eval_leakage")
-
-
 @dg.asset(
     partitions_def=DAILY,
     group_name="data",
     kinds={"parquet"},
-    check_specs=[dg.AssetCheckSpec(name, asset="training_dataset", blocking=True) for name in DATASET_CHECKS],
+    check_specs=[dg.AssetCheckSpec(name, asset="training_dataset", blocking=True) for name in DATASET_CHECK_NAMES],
 )
 def training_dataset(
     context: dg.AssetExecutionContext,

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training_core.base_model import load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, read_eval_records, write_dataset
 from training_core.data.demo_task import encode_word, generate_records
-from training_core.data.packing import IGNORE_INDEX, TokenizedExample, is_eval_example, pack_examples
+from training_core.data.packing import IGNORE_INDEX, TokenizedExample, is_eval_example, pack_examples, tokenize_example
+from training_core.data.quality import DATASET_CHECK_NAMES, run_dataset_checks
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.config import TrainingConfig
 
@@ -59,3 +64,29 @@ def test_deepspeed_config_has_concrete_values():
     assert config["train_batch_size"] == 16
     assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert "auto" not in repr(config)
+
+
+def test_dataset_checks_pass_on_a_clean_dataset_in_the_declared_order(demo_dataset, demo_model):
+    outcomes = run_dataset_checks(demo_dataset.path, demo_dataset.seq_len, load_tokenizer(demo_model.name_or_path))
+    assert tuple(o.name for o in outcomes) == DATASET_CHECK_NAMES
+    assert all(o.passed for o in outcomes), [o for o in outcomes if not o.passed]
+
+
+def test_dataset_checks_catch_a_duplicated_row_and_a_leaked_eval_example(tmp_path, demo_dataset, demo_model):
+    tokenizer = load_tokenizer(demo_model.name_or_path)
+    copy = Path(shutil.copytree(demo_dataset.path, tmp_path / "dataset"))
+    first_file = sorted((copy / "train").glob("*.parquet"))[0]
+    table = pq.read_table(first_file)
+    held_out = read_eval_records(copy)[0]
+    example = tokenize_example(tokenizer, held_out["prompt"], held_out["response"])
+    leaked = example.prompt_ids + example.response_ids
+    width = len(table.column("input_ids")[0])
+    leaked_row = leaked + [tokenizer.pad_token_id] * (width - len(leaked))
+    extra = pa.table({"input_ids": [table.column("input_ids")[0].as_py(), leaked_row],
+                      "labels": [table.column("labels")[0].as_py(), leaked_row]}, schema=table.schema)
+    pq.write_table(pa.concat_tables([table, extra]), first_file)
+
+    outcomes = {o.name: o for o in run_dataset_checks(str(copy), demo_dataset.seq_len, tokenizer)}
+    assert not outcomes["no_duplicate_rows"].passed and outcomes["no_duplicate_rows"].metadata["duplicate_rows"] == 1
+    assert not outcomes["no_eval_leakage"].passed and outcomes["no_eval_leakage"].metadata["leaked_examples"] == 1
+    assert outcomes["schema"].passed and outcomes["no_empty_rows"].passed

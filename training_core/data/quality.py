@@ -14,6 +14,10 @@ from training_core.data.dataset_writer import read_eval_records
 from training_core.data.packing import IGNORE_INDEX, tokenize_example
 
 
+# What run_dataset_checks returns, in order; the Dagster asset declares its check specs from it.
+DATASET_CHECK_NAMES = ("schema", "no_empty_rows", "no_duplicate_rows", "token_lengths", "no_eval_leakage")
+
+
 @dataclass(frozen=True)
 class CheckOutcome:
     name: str
@@ -77,8 +81,10 @@ def check_no_eval_leakage(input_ids: np.ndarray, dataset_path: str, tokenizer) -
 def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer) -> list[CheckOutcome]:
     schema, input_ids, labels = _train_arrays(dataset_path)
     widths = {input_ids.shape[1]} if input_ids.size else set()
-    return [
+    outcomes = [
         check_schema(schema, seq_len, widths or {seq_len}),
         *check_rows(input_ids, labels, tokenizer.pad_token_id),
         check_no_eval_leakage(input_ids, dataset_path, tokenizer),
     ]
+    assert tuple(o.name for o in outcomes) == DATASET_CHECK_NAMES, "update DATASET_CHECK_NAMES with the checks"
+    return outcomes
