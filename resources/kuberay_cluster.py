@@ -2,10 +2,11 @@
 
 One manifest, two ways to use it:
 - attach (default): the RayCluster named in the manifest is applied with `kubectl` and stays up.
-  Each training step finds it by name (creating it from the manifest only if it is missing),
-  waits until it is ready, connects with Ray Client and never deletes it.
-- ephemeral: each training step creates its own RayCluster from the manifest's spec (dagster-ray
-  generates the name) and deletes it when the step ends.
+  A training step that trains finds it by name (creating it from the manifest only if it is
+  missing), waits until it is ready, connects with Ray Client and never deletes it.
+- ephemeral: a training step that trains creates its own RayCluster from the manifest's spec
+  (dagster-ray generates the name) and deletes it when the step ends.
+A step that reuses an earlier training run (same inputs, config and code) touches no cluster.
 
 Either way the step pod is the Ray driver: it needs the shared volume (deploy/shared-state.yaml)
 mounted at the same path as the Ray pods, and no GPU (deploy/k8s_tags.py, `training_on_kuberay`).
@@ -97,8 +98,10 @@ def kuberay_cluster_from_manifest(
         raise KubeRayManifestError(f"{path}: attaching to a RayCluster needs metadata.name")
     options: dict[str, Any] = {
         "ray_cluster": raycluster_config_from_manifest(manifest),
+        # Nothing at step start: the training asset creates / waits / connects only when it trains
+        # (`connect_for_training`), so a step that reuses an earlier run starts no cluster.
         # attach: the cluster outlives the step; ephemeral: the step's cluster goes with it.
-        "lifecycle": Lifecycle(cleanup="always" if ephemeral else "never"),
+        "lifecycle": Lifecycle(create=False, wait=False, connect=False, cleanup="always" if ephemeral else "never"),
         **resource_options,
     }
     return KubeRayCluster(**options)

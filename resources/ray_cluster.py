@@ -72,6 +72,21 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
         return True
 
 
+def connect_for_training(ray_cluster: RayResource, context) -> None:
+    """Create (if needed), wait for and connect to ``ray_cluster``: the steps dagster-ray runs at
+    resource set-up when the ``Lifecycle`` flags are on. Tessera's clusters turn them off, so a
+    step that reuses an earlier training run starts, creates and connects to nothing; the training
+    asset calls this only when it trains. ``created``/``ready`` are already true for local and
+    external clusters, so for them this is only ``connect``."""
+    if not ray_cluster.created:
+        ray_cluster.create(context)
+        ray_cluster.on_create(context)
+    if not ray_cluster.ready:
+        ray_cluster.wait(context)
+        ray_cluster.on_ready(context)
+    ray_cluster.connect(context)
+
+
 def gpu_available_in_cluster() -> bool:
     import ray
 

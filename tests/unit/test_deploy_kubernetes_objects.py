@@ -168,6 +168,18 @@ def test_attach_mode_keeps_the_named_cluster_alive():
     assert cluster.lifecycle.cleanup == "never"
 
 
+@pytest.mark.parametrize("ephemeral", [False, True], ids=["attach", "ephemeral"])
+def test_step_start_touches_no_cluster_until_training_connects(ephemeral):
+    """Resource set-up creates, waits for and connects to nothing (no Kubernetes here: any call
+    would fail), and tearing it down deletes nothing it did not create."""
+    cluster = kuberay_cluster_from_manifest(RAYCLUSTER, ephemeral=ephemeral)
+    lifecycle = cluster.lifecycle
+    assert (lifecycle.create, lifecycle.wait, lifecycle.connect) == (False, False, False)
+    with dg.build_resources({"ray_cluster": cluster}) as resources:
+        ready = resources.ray_cluster
+        assert (ready.created, ready.ready, ready.connected) == (False, False, False)
+
+
 def test_ephemeral_mode_lets_dagster_ray_name_and_delete_the_cluster():
     cluster = kuberay_cluster_from_manifest(RAYCLUSTER, ephemeral=True, image="registry/tessera:abc123", timeout=900)
     assert "name" not in cluster.ray_cluster.metadata

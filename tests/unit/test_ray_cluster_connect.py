@@ -1,0 +1,58 @@
+"""`connect_for_training`: dagster-ray's create → wait → connect, run by the training asset only
+when it trains. A recording `RayResource` stands in for a cluster (our ordering logic only)."""
+
+from __future__ import annotations
+
+import dagster as dg
+from dagster_ray import Lifecycle, RayResource
+from pydantic import PrivateAttr
+
+from resources.ray_cluster import ExternalRayCluster, connect_for_training
+
+
+class _RecordingCluster(RayResource):
+    lifecycle: Lifecycle = Lifecycle(create=False, wait=False, connect=False)
+    _calls: list = PrivateAttr(default_factory=list)
+    _made: bool = PrivateAttr(default=False)
+    _up: bool = PrivateAttr(default=False)
+
+    @property
+    def host(self) -> str:
+        return "ray-head"
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def created(self) -> bool:
+        return self._made
+
+    @property
+    def ready(self) -> bool:
+        return self._up
+
+    def create(self, context):
+        self._calls.append("create")
+        self._made = True
+
+    def wait(self, context):
+        self._calls.append("wait")
+        self._up = True
+
+    def connect(self, context):
+        self._calls.append("connect")
+
+
+def test_a_cluster_is_created_then_awaited_then_connected_once_each():
+    cluster = _RecordingCluster()
+    context = dg.build_init_resource_context()
+    connect_for_training(cluster, context)
+    assert cluster._calls == ["create", "wait", "connect"]
+    connect_for_training(cluster, context)  # already created and ready: only connects
+    assert cluster._calls == ["create", "wait", "connect", "connect"]
+
+
+def test_external_clusters_count_as_created_and_ready_so_training_only_connects():
+    cluster = ExternalRayCluster(address="10.0.0.5:6379")
+    assert cluster.created and cluster.ready
