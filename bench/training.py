@@ -336,6 +336,9 @@ def run(output_dir: Path, quick: bool = False) -> dict:
     machine["cpu_share_2_busy_processes_at_start"] = cpu_share_probe()
     details: dict[str, dict] = {}
     errors: dict[str, str] = {}
+    from training_core.train.launcher import use_preemption_watcher
+
+    use_preemption_watcher(False)  # in-process local Ray, as the local code location runs it
     if not ray.is_initialized():
         ray.init(num_cpus=2, logging_level="warning")
     try:
@@ -391,6 +394,7 @@ def run(output_dir: Path, quick: bool = False) -> dict:
                   "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "lora_r": LORA_R,
                   "warmup_steps": sizes.warmup_steps, "measured_steps": sizes.measured_steps,
                   "cpus_per_worker": 1, "ray_num_cpus": 2, "train_rows": inputs.train_rows, "quick": quick,
+                  "ray_train_preemption_watcher": os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"),
                   "method": "Tessera s/step = (loop_s(warmup+measured) - loop_s(warmup)) / measured from the "
                             "workers' telemetry (it has no per-step times); start-up = run_training wall - "
                             "loop_s of the longer run; plain = mean of two in-process runs (before and after)"},

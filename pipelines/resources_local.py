@@ -19,7 +19,7 @@ def local_resources() -> dict:
         # connect=False: the training asset connects only when it really trains (not for a reuse).
         # Passed explicitly: the resources' field defaults are not applied when Dagster builds them.
         "ray_cluster": ExternalRayCluster(address=address, lifecycle=LAZY) if address
-        else LocalRayCluster(ray_init_options={"logging_level": "warning"}, lifecycle=LAZY),
+        else LocalRayCluster(ray_init_options={"logging_level": "warning"}, lifecycle=LAZY, preemption_watcher=False),
         "mlflow_tracker": MlflowTracker(storage=storage),
         "cache": RowGroupCache(storage=storage),
     }

@@ -11,6 +11,8 @@ from typing import Any
 from dagster_ray import Lifecycle, LocalRay, RayResource
 from pydantic import Field, PrivateAttr
 
+from training_core.train.launcher import use_preemption_watcher
+
 
 class _SharesRunningRay:
     """If this process already runs Ray (a test session, the CLI), use it and leave it running."""
@@ -41,6 +43,15 @@ class LocalRayCluster(_SharesRunningRay, LocalRay):
         default_factory=lambda: {"logging_level": "warning"},
         description="extra ray.init() arguments, e.g. {'num_cpus': 2}",
     )
+
+    preemption_watcher: bool = Field(
+        default=False,
+        description="run Ray Train's preemption watcher; a one-node local cluster is never drained",
+    )
+
+    def connect(self, context):  # type: ignore[override]
+        use_preemption_watcher(self.preemption_watcher)
+        return super().connect(context)
 
 
 class ExternalRayCluster(_SharesRunningRay, RayResource):

@@ -21,6 +21,9 @@ from training_core.data.demo_task import generate_records, tokenizer_corpus  # n
 def ray_session():
     import ray
 
+    from training_core.train.launcher import use_preemption_watcher
+
+    use_preemption_watcher(False)  # one local node, as the local code location's LocalRayCluster runs it
     if not ray.is_initialized():
         ray.init(num_cpus=2, logging_level="warning")
     yield ray

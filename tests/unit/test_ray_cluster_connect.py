@@ -3,6 +3,8 @@ when it trains. A recording `RayResource` stands in for a cluster (our ordering 
 
 from __future__ import annotations
 
+import os
+
 import dagster as dg
 from dagster_ray import Lifecycle, RayResource
 from pydantic import PrivateAttr
@@ -56,3 +58,16 @@ def test_a_cluster_is_created_then_awaited_then_connected_once_each():
 def test_external_clusters_count_as_created_and_ready_so_training_only_connects():
     cluster = ExternalRayCluster(address="10.0.0.5:6379")
     assert cluster.created and cluster.ready
+
+
+def test_local_ray_runs_no_preemption_watcher_unless_asked(monkeypatch):
+    from resources.ray_cluster import LocalRayCluster
+    from training_core.train.launcher import PREEMPTION_WATCHER_ENV, use_preemption_watcher
+
+    assert LocalRayCluster().preemption_watcher is False
+    monkeypatch.delenv(PREEMPTION_WATCHER_ENV, raising=False)
+    use_preemption_watcher(False)
+    assert os.environ[PREEMPTION_WATCHER_ENV] == "0"
+    monkeypatch.setenv(PREEMPTION_WATCHER_ENV, "1")  # set by the operator: kept
+    use_preemption_watcher(False)
+    assert os.environ[PREEMPTION_WATCHER_ENV] == "1"
