@@ -336,7 +336,7 @@ def run(output_dir: Path, quick: bool = False) -> dict:
     machine["cpu_share_2_busy_processes_at_start"] = cpu_share_probe()
     details: dict[str, dict] = {}
     errors: dict[str, str] = {}
-    from training_core.train.launcher import use_preemption_watcher
+    from training_core.train.ray_trainer import use_preemption_watcher
 
     use_preemption_watcher(False)  # in-process local Ray, as the local code location runs it
     if not ray.is_initialized():

@@ -11,7 +11,7 @@ from typing import Any
 from dagster_ray import Lifecycle, LocalRay, RayResource
 from pydantic import Field, PrivateAttr
 
-from training_core.train.launcher import use_preemption_watcher
+from training_core.train.ray_trainer import use_preemption_watcher
 
 
 class _SharesRunningRay:

@@ -21,7 +21,7 @@ from training_core.data.demo_task import generate_records, tokenizer_corpus  # n
 def ray_session():
     import ray
 
-    from training_core.train.launcher import use_preemption_watcher
+    from training_core.train.ray_trainer import use_preemption_watcher
 
     use_preemption_watcher(False)  # one local node, as the local code location's LocalRayCluster runs it
     if not ray.is_initialized():

@@ -15,21 +15,11 @@ from training_core.train.checkpointing import MODEL_DIR, load_progress
 from training_core.train.config import TrainingConfig
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.loop import WorkerInputs, train_loop_per_worker
+from training_core.train.ray_trainer import torch_trainer_class
 
 log = logging.getLogger(__name__)
 
 FAULT_STEP_ENV = "TESSERA_FAULT_STEP"
-PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-
-
-def use_preemption_watcher(enabled: bool) -> None:
-    """Whether the trainers this process starts next run Ray Train's preemption watcher (an actor
-    per run that polls whether a node is being drained; Ray's default is on). It pays off where
-    nodes are drained (autoscaled or spot clusters). A one-node local cluster never is, and there
-    the actor's start-up, about 1.3 CPU-s of imports while the workers import and load the model,
-    made a 2-worker run start 1.2-2.8 s later on 2 cores. The driver's environment is read when a
-    `TorchTrainer` starts and passed on to its controller; a value set before this call wins."""
-    os.environ.setdefault(PREEMPTION_WATCHER_ENV, "1" if enabled else "0")
 
 
 @dataclass(frozen=True)
@@ -57,7 +47,7 @@ def run_training(
 ) -> TrainingResult:
     """Train on Ray; reruns with the same `run_name` and storage resume from the last checkpoint."""
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     fault_step = os.environ.get(FAULT_STEP_ENV)
     inputs = WorkerInputs(
@@ -74,7 +64,7 @@ def run_training(
     # Ray Train's controller polls workers at this interval; the default adds seconds to every
     # run's shutdown. Read from the driver's environment when the trainer starts.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    trainer = TorchTrainer(
+    trainer = torch_trainer_class()(
         train_loop_per_worker,
         train_loop_config=inputs.as_dict(),
         torch_config=TorchConfig(backend="nccl" if config.use_gpu else "gloo"),

@@ -1,11 +1,13 @@
-"""`connect_for_training`: dagster-ray's create → wait → connect, run by the training asset only
-when it trains. A recording `RayResource` stands in for a cluster (our ordering logic only)."""
+"""Ray set-up around a training run: `connect_for_training` (dagster-ray's create → wait →
+connect, run by the training asset only when it trains; a recording `RayResource` stands in for a
+cluster, for our ordering logic only), and Ray Train's defaults that Tessera changes."""
 
 from __future__ import annotations
 
 import os
 
 import dagster as dg
+import pytest
 from dagster_ray import Lifecycle, RayResource
 from pydantic import PrivateAttr
 
@@ -62,7 +64,7 @@ def test_external_clusters_count_as_created_and_ready_so_training_only_connects(
 
 def test_local_ray_runs_no_preemption_watcher_unless_asked(monkeypatch):
     from resources.ray_cluster import LocalRayCluster
-    from training_core.train.launcher import PREEMPTION_WATCHER_ENV, use_preemption_watcher
+    from training_core.train.ray_trainer import PREEMPTION_WATCHER_ENV, use_preemption_watcher
 
     assert LocalRayCluster().preemption_watcher is False
     monkeypatch.delenv(PREEMPTION_WATCHER_ENV, raising=False)
@@ -71,3 +73,14 @@ def test_local_ray_runs_no_preemption_watcher_unless_asked(monkeypatch):
     monkeypatch.setenv(PREEMPTION_WATCHER_ENV, "1")  # set by the operator: kept
     use_preemption_watcher(False)
     assert os.environ[PREEMPTION_WATCHER_ENV] == "1"
+
+
+@pytest.mark.parametrize("datasets", [None, {"train": lambda: None}], ids=["no datasets", "ray datasets"])
+def test_trainer_starts_ray_datas_dataset_manager_only_for_ray_datasets(datasets):
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    from training_core.train.ray_trainer import torch_trainer_class
+
+    trainer = torch_trainer_class()(lambda: None, datasets=datasets)
+    kinds = {type(callback) for callback in trainer._create_default_callbacks()}
+    assert (DatasetsCallback in kinds) == bool(datasets)
