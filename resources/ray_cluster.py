@@ -96,6 +96,8 @@ def connect_for_training(ray_cluster: RayResource, context) -> None:
         ray_cluster.wait(context)
         ray_cluster.on_ready(context)
     ray_cluster.connect(context)
+    if ray_cluster.connected:  # not when an already running in-process Ray was reused
+        ray_cluster.on_connect(context)
 
 
 def gpu_available_in_cluster() -> bool:
