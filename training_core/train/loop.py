@@ -27,7 +27,7 @@ from training_core.train.checkpointing import (
 )
 from training_core.train.config import TrainingConfig
 from training_core.train.deepspeed_config import build_deepspeed_config
-from training_core.train.deepspeed_startup import skip_unused_deepspeed_startup
+from training_core.train.deepspeed_startup import import_deepspeed, skip_unused_deepspeed_startup
 from training_core.train.model_setup import apply_method, count_parameters, load_base_model
 from training_core.train.schedule import build_lr_scheduler
 from training_core.train.telemetry import StartupClock, StepTimer, model_flops_per_token
@@ -62,7 +62,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # Set here rather than through a Ray runtime_env, which costs seconds of worker start-up.
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if config.use_gpu else "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import deepspeed  # after DS_ACCELERATOR: DeepSpeed picks its accelerator at import
+    deepspeed = import_deepspeed()  # after DS_ACCELERATOR: DeepSpeed picks its accelerator at import
     import ray.train
 
     skip_unused_deepspeed_startup(config.use_gpu)
