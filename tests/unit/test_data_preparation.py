@@ -8,11 +8,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from training_core.base_model import load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, read_eval_records, write_dataset
 from training_core.data.demo_task import encode_word, generate_records
 from training_core.data.packing import IGNORE_INDEX, TokenizedExample, is_eval_example, pack_examples, tokenize_example
+from training_core.data import quality
 from training_core.data.quality import DATASET_CHECK_NAMES, run_dataset_checks
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.config import TrainingConfig
@@ -90,3 +93,28 @@ def test_dataset_checks_catch_a_duplicated_row_and_a_leaked_eval_example(tmp_pat
     assert not outcomes["no_duplicate_rows"].passed and outcomes["no_duplicate_rows"].metadata["duplicate_rows"] == 1
     assert not outcomes["no_eval_leakage"].passed and outcomes["no_eval_leakage"].metadata["leaked_examples"] == 1
     assert outcomes["schema"].passed and outcomes["no_empty_rows"].passed
+
+
+def _naive_occurrences(rows: np.ndarray, sequences: set[tuple[int, ...]]) -> int:
+    return sum(tuple(row[i : i + len(s)]) == s for row in rows.tolist() for s in sequences
+               for i in range(len(row) - len(s) + 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), rows=st.integers(1, 9), width=st.integers(1, 12), vocab=st.integers(1, 4),
+       use_start_token=st.booleans())
+def test_count_occurrences_equals_a_plain_scan(data, rows, width, vocab, use_start_token):
+    """Small vocabularies make overlapping, repeated and 0-token windows common; tiny chunks cross
+    chunk boundaries. Sequences are cut from the rows (hits) or drawn at random (mostly misses)."""
+    table = np.array(data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=width, max_size=width),
+                                        min_size=rows, max_size=rows)), dtype=np.int32)
+    sequences = set()
+    for _ in range(data.draw(st.integers(1, 4))):
+        r, i = data.draw(st.integers(0, rows - 1)), data.draw(st.integers(0, width - 1))
+        sequences.add(tuple(table[r, i : i + data.draw(st.integers(1, width - i))].tolist()))
+    sequences |= set(map(tuple, data.draw(st.lists(st.lists(st.integers(0, vocab), min_size=1, max_size=width),
+                                                   max_size=3))))
+    start_token = data.draw(st.integers(0, vocab - 1)) if use_start_token else None
+    # start_token only narrows where to look: a match starts with its sequence's first token anyway
+    counted = quality.count_occurrences(table, sequences, start_token=start_token, rows_per_chunk=2)
+    assert counted == _naive_occurrences(table, sequences)

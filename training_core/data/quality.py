@@ -68,14 +68,69 @@ def check_no_eval_leakage(input_ids: np.ndarray, dataset_path: str, tokenizer) -
     for record in read_eval_records(dataset_path):
         example = tokenize_example(tokenizer, record["prompt"], record["response"])
         eval_sequences.add(tuple(example.prompt_ids + example.response_ids))
-    lengths = {len(s) for s in eval_sequences}
-    leaked = 0
-    for row in input_ids.tolist():
-        for length in lengths:
-            leaked += sum(tuple(row[i : i + length]) in eval_sequences for i in range(len(row) - length + 1))
+    # Every example starts with <bos> when the tokenizer has one, so only windows there can match.
+    leaked = count_occurrences(input_ids, eval_sequences, start_token=tokenizer.bos_token_id)
     return CheckOutcome("no_eval_leakage", leaked == 0,
                         f"{leaked} held-out examples found in training rows ({len(eval_sequences)} held out)",
                         {"leaked_examples": leaked, "eval_examples": len(eval_sequences)})
+
+
+_HASH_BASE = np.uint64(1_000_003)
+_ROWS_PER_CHUNK = 4096  # bounds memory: a chunk's hashes are rows × width × 8 bytes
+
+
+def count_occurrences(rows: np.ndarray, sequences: set[tuple[int, ...]], start_token: int | None = None,
+                      rows_per_chunk: int = _ROWS_PER_CHUNK) -> int:
+    """How many times any of ``sequences`` occurs contiguously in a row of ``rows`` ([n, width]).
+
+    Polynomial hashes (mod 2**64) of the windows of each sequence length, computed with NumPy from
+    per-row prefix hashes; windows whose hash matches are compared token by token, so a collision
+    never counts. With ``start_token`` only windows starting at that token are looked at (every
+    sequence starts with it, else all windows are; either way the count is the same). Scanning every window in Python, as before,
+    took minutes per 100 000 rows; this is O(rows × width) NumPy work per distinct length."""
+    width = rows.shape[1] if rows.ndim == 2 else 0
+    sequences = {s for s in sequences if 0 < len(s) <= width}
+    if rows.size == 0 or not sequences:
+        return 0
+    if start_token is not None and any(s[0] != start_token for s in sequences):
+        start_token = None
+    by_length: dict[int, dict[int, list[tuple[int, ...]]]] = {}
+    for sequence in sequences:
+        value = 0
+        for token in sequence:
+            value = (value * int(_HASH_BASE) + token + 1) % 2**64
+        by_length.setdefault(len(sequence), {}).setdefault(value, []).append(sequence)
+    return sum(_count_in_chunk(rows[lo : lo + rows_per_chunk], by_length, start_token)
+               for lo in range(0, len(rows), rows_per_chunk))
+
+
+def _count_in_chunk(rows: np.ndarray, by_length: dict, start_token: int | None) -> int:
+    n, width = rows.shape
+    prefix = np.zeros((n, width + 1), dtype=np.uint64)
+    tokens = rows.astype(np.uint64) + np.uint64(1)  # +1: a run of 0 tokens must not hash like nothing
+    with np.errstate(over="ignore"):
+        for j in range(width):
+            prefix[:, j + 1] = prefix[:, j] * _HASH_BASE + tokens[:, j]
+    if start_token is not None:
+        token_rows, token_starts = np.nonzero(rows == start_token)
+    found = 0
+    for length, wanted in by_length.items():
+        power = np.uint64(pow(int(_HASH_BASE), length, 2**64))
+        targets = np.fromiter(wanted, dtype=np.uint64, count=len(wanted))
+        with np.errstate(over="ignore"):
+            if start_token is None:  # every window, as [n, starts] slices
+                hashes = prefix[:, length:] - prefix[:, : width - length + 1] * power
+                row_of, start_of = np.nonzero(np.isin(hashes, targets))
+                hashes = hashes[row_of, start_of]
+            else:
+                fits = token_starts <= width - length
+                row_of, start_of = token_rows[fits], token_starts[fits]
+                hashes = prefix[row_of, start_of + length] - prefix[row_of, start_of] * power
+                hit = np.isin(hashes, targets)
+                row_of, start_of, hashes = row_of[hit], start_of[hit], hashes[hit]
+        for row, start, value in zip(row_of.tolist(), start_of.tolist(), hashes.tolist()):
+            found += tuple(rows[row, start : start + length].tolist()) in wanted[value]
+    return found
 
 
 def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer) -> list[CheckOutcome]:
