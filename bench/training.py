@@ -233,20 +233,19 @@ def run_tessera(inputs: BenchInputs, name: str, sizes: Sizes, storage: Path, out
     short = run_tessera_once(inputs, name, sizes.warmup_steps, storage, output)
     long = run_tessera_once(inputs, name, sizes.warmup_steps + sizes.measured_steps, storage, output)
     n = sizes.measured_steps
+
+    def per_step(key: str) -> float:  # the measured steps' share of a whole-loop telemetry total
+        return (long["telemetry"].get(key, 0.0) - short["telemetry"].get(key, 0.0)) / n
+
     s_per_step = (long["loop_s"] - short["loop_s"]) / n
-    phases = {
-        phase: (long["telemetry"][f"{phase}_s"] - short["telemetry"][f"{phase}_s"]) / n
-        for phase in STEP_PHASES
-    }
+    phases = {phase: per_step(f"{phase}_s") for phase in STEP_PHASES}
     phases["other"] = s_per_step - sum(phases.values())  # bookkeeping
     # Wall minus the step thread's CPU time: where it blocked (collectives, in backward/optimizer).
-    blocked = {phase: (long["telemetry"].get(f"{phase}_blocked_s", 0.0) - short["telemetry"].get(f"{phase}_blocked_s", 0.0)) / n
-               for phase in ("forward", "backward", "optimizer")}
+    blocked_all = {phase: per_step(f"{phase}_blocked_s") for phase in STEP_PHASES}
+    blocked = {phase: blocked_all[phase] for phase in ("forward", "backward", "optimizer")}
     # The step thread's CPU time per step: unlike wall time, not inflated when other processes or
     # the VM's host take the core, so it compares code paths when the machine is noisy.
-    cpu_s_per_step = s_per_step - sum(
-        (long["telemetry"].get(f"{phase}_blocked_s", 0.0) - short["telemetry"].get(f"{phase}_blocked_s", 0.0)) / n
-        for phase in STEP_PHASES)
+    cpu_s_per_step = s_per_step - sum(blocked_all.values())
     startup_split = {key.removeprefix("startup_").removesuffix("_s"): value
                      for key, value in long["telemetry"].items() if key.startswith("startup_")}
     startup_split["final_checkpoint_and_teardown"] = long["startup_s"] - sum(startup_split.values())

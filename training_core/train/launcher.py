@@ -15,7 +15,7 @@ from training_core.train.checkpointing import MODEL_DIR, load_progress
 from training_core.train.config import TrainingConfig
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.loop import WorkerInputs, train_loop_per_worker
-from training_core.train.ray_trainer import torch_trainer_class
+from training_core.train.ray_trainer import torch_trainer_class, use_quick_health_checks
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,7 @@ def run_training(
         run_directory=str(storage_path / run_name),
         launched_at=time.time(),
     )
-    # Ray Train's controller polls workers at this interval; the default adds seconds to every
-    # run's shutdown. Read from the driver's environment when the trainer starts.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    use_quick_health_checks()
     trainer = torch_trainer_class()(
         train_loop_per_worker,
         train_loop_config=inputs.as_dict(),

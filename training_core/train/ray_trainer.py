@@ -4,6 +4,7 @@ Pinned to Ray 2.60 (Train V2); each change falls back to Ray's behaviour if its 
 
 from __future__ import annotations
 
+import functools
 import os
 
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
@@ -19,6 +20,14 @@ def use_preemption_watcher(enabled: bool) -> None:
     os.environ.setdefault(PREEMPTION_WATCHER_ENV, "1" if enabled else "0")
 
 
+def use_quick_health_checks() -> None:
+    """Ray Train's controller polls its workers every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``; Ray's
+    default added seconds to the end of every run. 0.5 s unless the environment sets it; read
+    from the driver's environment when a trainer starts."""
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+
+@functools.cache
 def torch_trainer_class() -> type:
     """``TorchTrainer``, minus Ray Data's ``DatasetsCallback`` when the run passes no Ray Dataset
     (Tessera never does: batches come from the row-group reader). Ray Train V2 otherwise starts a
