@@ -85,7 +85,8 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
 
 def connect_for_training(ray_cluster: RayResource, context) -> None:
     """Create (if needed), wait for and connect to ``ray_cluster``: the steps dagster-ray runs at
-    resource set-up when the ``Lifecycle`` flags are on. Tessera's clusters turn them off, so a
+    resource set-up when the ``Lifecycle`` flags are on (its private ``_connect``, spelled with the
+    public methods and hooks). Tessera's clusters turn them off, so a
     step that reuses an earlier training run starts, creates and connects to nothing; the training
     asset calls this only when it trains. ``created``/``ready`` are already true for local and
     external clusters, so for them this is only ``connect``."""
