@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from training_core.train.checkpointing import ENGINE_DIR, MODEL_DIR, load_progress
 from training_core.train.config import LoraSettings, TrainingConfig
 from training_core.train.launcher import FAULT_STEP_ENV, run_training
 
@@ -35,7 +36,8 @@ def train(ray_session, demo_model, demo_dataset, tmp_path_factory):
 
     results: dict[str, object] = {}
 
-    def run(name: str, config: TrainingConfig, fault_step: int | None = None):
+    def run(name: str, config: TrainingConfig, fault_step: int | None = None, run_name: str | None = None):
+        """``run_name`` (default ``name``): the Ray Train run; the same one again relaunches it."""
         if name in results:
             return results[name]
         mp = pytest.MonkeyPatch()
@@ -47,12 +49,13 @@ def train(ray_session, demo_model, demo_dataset, tmp_path_factory):
             results[name] = run_training(
                 config, model_path=demo_model.name_or_path, train_dirs=[str(demo_dataset.train_dir)],
                 seq_len=demo_dataset.seq_len, cache_dir=str(root / "cache"), storage_path=root / "ray",
-                run_name=name, output_dir=root / "models",
+                run_name=run_name or name, output_dir=root / "models",
             )
         finally:
             mp.undo()
         return results[name]
 
+    run.storage = root / "ray"
     return run
 
 
@@ -116,10 +119,13 @@ def test_killed_worker_resumes_bit_identically(train, workers):
     _assert_identical(uninterrupted, faulted)
 
 
+ZERO3_SHORT = dict(max_steps=2, zero_stage=3, offload_optimizer="cpu")
+
+
 def test_zero2_and_zero3_offload_agree_on_first_step(train):
     # The first loss is computed before any update, so the ZeRO-2 main run serves as reference.
     zero2 = train("lora-2w", _config())
-    zero3 = train("first-step-zero3", _config(max_steps=2, zero_stage=3, offload_optimizer="cpu"))
+    zero3 = train("first-step-zero3", _config(**ZERO3_SHORT))
     assert zero3.loss_history[0][1] == pytest.approx(zero2.loss_history[0][1], rel=1e-5)
     assert (Path(zero3.model_dir) / "adapter_config.json").exists()
 
@@ -130,3 +136,27 @@ def test_full_fine_tuning_trains_and_saves_a_full_model(train):
     assert losses[-1] < 0.8 * losses[0]
     assert (Path(result.model_dir) / "config.json").exists()
     assert not (Path(result.model_dir) / "adapter_config.json").exists()
+
+
+def _checkpoints_by_step(run_directory: Path) -> dict[int, Path]:
+    return {load_progress(path).step: path for path in run_directory.glob("checkpoint_*") if path.is_dir()}
+
+
+def test_final_checkpoint_holds_the_model_but_no_engine_state(train):
+    result = train("lora-2w", _config())
+    checkpoints = _checkpoints_by_step(train.storage / result.run_name)
+    assert sorted(checkpoints) == [20, 30]  # every 10 steps, the last 2 kept
+    assert (checkpoints[20] / ENGINE_DIR).is_dir() and not (checkpoints[20] / MODEL_DIR).exists()
+    assert not (checkpoints[30] / ENGINE_DIR).exists() and (checkpoints[30] / MODEL_DIR).is_dir()
+
+
+def test_relaunching_a_finished_run_reports_the_same_model_without_training(train):
+    # ZeRO-3: every rank must take the same path at the end, or the gather for saving would hang.
+    first = train("first-step-zero3", _config(**ZERO3_SHORT))
+    first_weights = _weights(first)  # the relaunch rewrites the same output folder
+    again = train("first-step-zero3-relaunched", _config(**ZERO3_SHORT), run_name="first-step-zero3")
+    assert again.model_dir == first.model_dir and again.restarts == 0
+    assert again.loss_history == first.loss_history and again.telemetry == first.telemetry
+    again_weights = _weights(again)
+    assert again_weights.keys() == first_weights.keys()
+    assert all(again_weights[key].equal(first_weights[key]) for key in first_weights)

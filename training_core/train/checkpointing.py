@@ -2,7 +2,9 @@
 RNG states and the loader position, plus the shared progress (step, loss curve, restarts).
 
 Layout of one checkpoint directory (Ray Train merges every rank's files into it):
-    deepspeed/            engine.save_checkpoint(tag=ENGINE_TAG); every rank writes its shard
+    deepspeed/            engine.save_checkpoint(tag=ENGINE_TAG); every rank writes its shard.
+                          Not in the final checkpoint: a finished run resumes nothing, and for a
+                          full fine-tune the optimizer state alone is several times the model.
     worker-<rank>.pt      python / numpy / torch RNG states and the reader's state_dict
     progress.json         written by rank 0
     model/                final checkpoint only: the adapter (LoRA) or full model, save_pretrained
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 ENGINE_TAG = "engine"
+ENGINE_DIR = "deepspeed"
 PROGRESS_FILE = "progress.json"
 MODEL_DIR = "model"
 
@@ -49,9 +52,13 @@ def restore_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def save_checkpoint(directory: Path, engine, rank: int, progress: TrainingProgress, loader_state: dict) -> None:
-    """Collective: every rank must call it (DeepSpeed saves its shards on each)."""
-    engine.save_checkpoint(str(directory / "deepspeed"), tag=ENGINE_TAG)
+def save_checkpoint(
+    directory: Path, engine, rank: int, progress: TrainingProgress, loader_state: dict, *, engine_state: bool = True
+) -> None:
+    """Collective: every rank must call it, with the same ``engine_state`` (DeepSpeed saves its
+    shards on each). ``engine_state=False`` leaves out ``deepspeed/`` (the final checkpoint)."""
+    if engine_state:
+        engine.save_checkpoint(str(directory / ENGINE_DIR), tag=ENGINE_TAG)
     torch.save({"rng": rng_states(), "loader": loader_state}, directory / f"worker-{rank}.pt")
     if rank == 0:
         (directory / PROGRESS_FILE).write_text(json.dumps(asdict(progress)))
@@ -88,11 +95,19 @@ def restore_checkpoint(directory: Path, engine, rank: int) -> tuple[TrainingProg
     """Load engine state and this rank's RNG/loader state. Returns (progress, loader_state).
 
     A rank with no file of its own (the world grew) keeps fresh RNG and takes rank 0's loader
-    state: the reader's state is global, so any rank may load it.
+    state: the reader's state is global, so any rank may load it. A finished run's final
+    checkpoint has no engine state: the engine is left as it is (the caller takes the model from
+    ``model/``).
     """
-    engine.load_checkpoint(str(directory / "deepspeed"), tag=ENGINE_TAG, load_module_strict=False)
+    progress = load_progress(directory)
+    if (directory / ENGINE_DIR).is_dir():
+        engine.load_checkpoint(str(directory / ENGINE_DIR), tag=ENGINE_TAG, load_module_strict=False)
+    elif not progress.finished:
+        raise RuntimeError(
+            f"checkpoint {directory} (step {progress.step}) has no {ENGINE_DIR}/ engine state to resume from"
+        )
     own = directory / f"worker-{rank}.pt"
     worker_state = torch.load(own if own.exists() else directory / "worker-0.pt", weights_only=False)
     if own.exists():
         restore_rng_states(worker_state["rng"])
-    return load_progress(directory), worker_state["loader"]
+    return progress, worker_state["loader"]

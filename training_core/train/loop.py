@@ -8,12 +8,15 @@ import time
 
 _MODULE_IMPORT_STARTED = time.time()  # start-up split: when a Ray worker begins importing the recipe
 
+import functools
 import json
 import logging
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -103,7 +106,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     startup.mark("deepspeed_initialize")
 
     # Resume or start fresh.
-    progress, loader_state = _resume(engine, rank, inputs)
+    progress, loader_state, finished_model = _resume(engine, rank, inputs)
     if loader_state is None:
         torch.manual_seed(config.seed + rank)
     progress.world_size = world_size
@@ -156,7 +159,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
                               "parameters": total_params, "trainable_parameters": trainable_params}
     _append_mean_losses(progress, unreduced_losses, world_size)
     progress.finished = True
-    _report(engine, rank, progress, batches.state_dict(), final=True)
+    if already_finished:  # nothing was trained here: report the finished run's model again
+        write_model = functools.partial(_move_finished_model, finished_model)
+    else:
+        write_model = functools.partial(_save_final_model, engine, rank=rank)
+    _report(engine, rank, progress, batches.state_dict(), final=True, write_model=write_model)
     batches.close()
 
 
@@ -198,37 +205,60 @@ def _append_mean_losses(progress: TrainingProgress, losses: list[torch.Tensor], 
     losses.clear()
 
 
-def _resume(engine, rank: int, inputs: WorkerInputs) -> tuple[TrainingProgress, dict | None]:
+def _resume(engine, rank: int, inputs: WorkerInputs) -> tuple[TrainingProgress, dict | None, Path | None]:
     """Restore from Ray's latest checkpoint, else from the newest complete one on local storage
-    (a worker killed right after a report, or a relaunched Dagster run with the same inputs)."""
+    (a worker killed right after a report, or a relaunched Dagster run with the same inputs).
+
+    The third item is set on rank 0 when the checkpoint is a finished run's final one: a copy of
+    its model folder, to be reported again (that checkpoint holds no engine state to rebuild it).
+    """
     import ray.train
+
+    def restore(directory: Path) -> tuple[TrainingProgress, dict | None, Path | None]:
+        progress, loader_state = restore_checkpoint(directory, engine, rank)
+        finished_model = None
+        if progress.finished and rank == 0:
+            finished_model = Path(tempfile.mkdtemp(prefix="tessera-finished-model-")) / MODEL_DIR
+            shutil.copytree(directory / MODEL_DIR, finished_model)
+        return progress, loader_state, finished_model
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            progress, loader_state = restore_checkpoint(Path(directory), engine, rank)
+            progress, loader_state, finished_model = restore(Path(directory))
     else:
         local = find_latest_checkpoint(Path(inputs.run_directory)) if inputs.run_directory else None
         if local is None:
-            return TrainingProgress(), None
-        progress, loader_state = restore_checkpoint(local, engine, rank)
+            return TrainingProgress(), None, None
+        progress, loader_state, finished_model = restore(local)
     if not progress.finished:  # relaunching a finished run is a no-op, not a restart
         progress.restarts += 1
     log.warning("rank %d resumed from checkpoint at step %d (restart %d)", rank, progress.step, progress.restarts)
-    return progress, loader_state
+    return progress, loader_state, finished_model
 
 
-def _report(engine, rank: int, progress: TrainingProgress, loader_state: dict, final: bool) -> None:
-    """Checkpoint and report. Costly (~1 s): called every `checkpoint_every_steps`, never per step."""
+def _report(engine, rank: int, progress: TrainingProgress, loader_state: dict, final: bool,
+            write_model: Callable[[Path], None] | None = None) -> None:
+    """Checkpoint and report. Costly (~1 s): called every `checkpoint_every_steps`, never per step.
+
+    The final checkpoint (``final``) holds the progress and the model, which ``write_model`` writes
+    into the folder it is given, but no engine state: nothing resumes a finished run."""
     import ray.train
 
     with tempfile.TemporaryDirectory(prefix="tessera-ckpt-") as tmp:
         directory = Path(tmp)
-        save_checkpoint(directory, engine, rank, progress, loader_state)
-        if final:
-            _save_final_model(engine, directory / MODEL_DIR, rank)
+        save_checkpoint(directory, engine, rank, progress, loader_state, engine_state=not final)
+        if final and write_model is not None:
+            write_model(directory / MODEL_DIR)
         metrics = {"step": progress.step, "loss": progress.loss_history[-1][1] if progress.loss_history else None}
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def _move_finished_model(source: Path | None, directory: Path) -> None:
+    """Rank 0 holds a copy of the finished run's model (see `_resume`); the other ranks write nothing."""
+    if source is not None:
+        shutil.move(str(source), directory)
+        shutil.rmtree(source.parent, ignore_errors=True)
 
 
 def _save_final_model(engine, directory: Path, rank: int) -> None:
