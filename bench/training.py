@@ -20,7 +20,9 @@ Two references make a noisy, shared 2-core machine readable: ``plain`` runs befo
 Tessera runs (their spread is the noise), and two plain loops run at once in separate processes
 (``ceiling_2_processes``: the most any 2-worker run could get at that moment), next to a
 busy-loop probe of the CPU share two processes get (``machine.cpu_share_*``); those probes and
-the gloo latency probe live in :mod:`bench.machine_probes`.
+the gloo latency probe live in :mod:`bench.machine_probes`. :mod:`bench.deepspeed_probe` runs the
+same DeepSpeed step in 1 and 2 processes started without Ray and times each collective
+(``machine.deepspeed_without_ray``): what the scaling is bounded by before Ray adds anything.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.deepspeed_probe import deepspeed_scaling_probe
 from bench.machine_probes import cpu_share_probe, gloo_latency_probe, machine_info
 from training_core.base_model import TinyLlamaSpec, build_demo_model
 from training_core.train.telemetry import STEP_PHASES
@@ -367,6 +370,11 @@ def run(output_dir: Path, quick: bool = False) -> dict:
     machine["cpu_share_2_busy_processes_at_end"] = cpu_share_probe()
     trainable = details.get("tessera_1w_zero2", {}).get("telemetry", {}).get("trainable_parameters")
     machine["gloo_2_processes"] = gloo_latency_probe(int(trainable or 69632))
+    try:  # the same DeepSpeed step in processes started without Ray (bench/deepspeed_probe.py)
+        machine["deepspeed_without_ray"] = deepspeed_scaling_probe(inputs.model_dir, MICRO_BATCH, SEQ_LEN, LORA_R)
+    except Exception as error:  # a diagnostic: its failure must not lose the measured runs
+        logger.exception("DeepSpeed probe without Ray failed")
+        errors["deepspeed_without_ray"] = f"{type(error).__name__}: {error}"[:2000]
     machine["load_average_1m_at_end"] = os.getloadavg()[0]
 
     plain_runs = [details["plain"]["s_per_step"], details["plain_repeat"]["s_per_step"]]
