@@ -149,7 +149,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         _maybe_inject_fault(inputs, progress.step, rank, world_size)
         if progress.step % config.checkpoint_every_steps == 0 and progress.step < config.max_steps:
             _append_mean_losses(progress, unreduced_losses, world_size)
-            _report(engine, rank, progress, batches.state_dict(), final=False)
+            _report(engine, rank, progress, batches.state_dict())
 
     if not already_finished:
         progress.telemetry = {**timer.summary(flops_per_token, config.peak_flops_preset, world_size),
@@ -163,7 +163,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
         write_model = functools.partial(_move_finished_model, finished_model)
     else:
         write_model = functools.partial(_save_final_model, engine, rank=rank)
-    _report(engine, rank, progress, batches.state_dict(), final=True, write_model=write_model)
+    _report(engine, rank, progress, batches.state_dict(), write_model=write_model)
     batches.close()
 
 
@@ -237,18 +237,19 @@ def _resume(engine, rank: int, inputs: WorkerInputs) -> tuple[TrainingProgress, 
     return progress, loader_state, finished_model
 
 
-def _report(engine, rank: int, progress: TrainingProgress, loader_state: dict, final: bool,
+def _report(engine, rank: int, progress: TrainingProgress, loader_state: dict,
             write_model: Callable[[Path], None] | None = None) -> None:
     """Checkpoint and report. Costly (~1 s): called every `checkpoint_every_steps`, never per step.
 
-    The final checkpoint (``final``) holds the progress and the model, which ``write_model`` writes
-    into the folder it is given, but no engine state: nothing resumes a finished run."""
+    With ``write_model`` this is the final checkpoint: it holds the progress and the model, which
+    ``write_model`` writes into the folder it is given, but no engine state (nothing resumes a
+    finished run)."""
     import ray.train
 
     with tempfile.TemporaryDirectory(prefix="tessera-ckpt-") as tmp:
         directory = Path(tmp)
-        save_checkpoint(directory, engine, rank, progress, loader_state, engine_state=not final)
-        if final and write_model is not None:
+        save_checkpoint(directory, engine, rank, progress, loader_state, engine_state=write_model is None)
+        if write_model is not None:
             write_model(directory / MODEL_DIR)
         metrics = {"step": progress.step, "loss": progress.loss_history[-1][1] if progress.loss_history else None}
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
