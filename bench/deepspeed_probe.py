@@ -16,12 +16,10 @@ import argparse
 import collections
 import json
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
+from bench.machine_probes import run_rank_processes
+
 # What DeepSpeed 0.19 calls through deepspeed.comm's torch backend.
 COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_tensor", "broadcast", "barrier")
@@ -54,9 +52,9 @@ def measure(rank: int, world: int, stage: int, port: int, model_dir: str, warmup
             micro_batch: int, seq_len: int, lora_r: int) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= world:  # as the Ray workers pin themselves (training_core.train.loop)
-        os.sched_setaffinity(0, {cores[rank]})
+    from training_core.train.loop import pin_to_own_cores
+
+    pin_to_own_cores(rank, world, cpus_per_worker=1)  # as each Ray worker pins itself
     import torch
     import torch.distributed as dist
 
@@ -103,17 +101,10 @@ def measure(rank: int, world: int, stage: int, port: int, model_dir: str, warmup
 def run_processes(world: int, stage: int, model_dir: str, warmup: int, steps: int, micro_batch: int,
                   seq_len: int, lora_r: int) -> list[dict]:
     port = 29100 + (os.getpid() + 7 * world + stage) % 800
-    command = [sys.executable, "-m", "bench.deepspeed_probe", f"--world={world}", f"--stage={stage}",
-               f"--port={port}", f"--model={model_dir}", f"--warmup={warmup}", f"--steps={steps}",
-               f"--micro-batch={micro_batch}", f"--seq-len={seq_len}", f"--lora-r={lora_r}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    processes = [subprocess.Popen([*command, f"--rank={rank}"], cwd=BENCH_DIR.parent, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
-    outputs = [process.communicate(timeout=600) for process in processes]
-    for process, (_, stderr) in zip(processes, outputs):
-        if process.returncode != 0:
-            raise RuntimeError(f"DeepSpeed probe (world {world}, ZeRO-{stage}) failed:\n{stderr[-2000:]}")
-    return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
+    arguments = ["bench.deepspeed_probe", f"--world={world}", f"--stage={stage}", f"--port={port}",
+                 f"--model={model_dir}", f"--warmup={warmup}", f"--steps={steps}", f"--micro-batch={micro_batch}",
+                 f"--seq-len={seq_len}", f"--lora-r={lora_r}"]
+    return run_rank_processes(arguments, world, f"DeepSpeed probe (world {world}, ZeRO-{stage})")
 
 
 def deepspeed_scaling_probe(model_dir: str, micro_batch: int, seq_len: int, lora_r: int, warmup: int = 10,

@@ -5,7 +5,7 @@
 - ``gloo_latency_probe``: µs per gloo collective between two single-threaded processes, at the
   sizes a ZeRO-2 LoRA step sends (the floor a 2-worker step pays over 1).
 
-``python -m bench.machine_probes --measure-gloo --gloo-rank R …`` is the probe's child process.
+``python -m bench.machine_probes --measure-gloo --rank R …`` is the probe's child process.
 """
 from __future__ import annotations
 
@@ -74,17 +74,24 @@ def measure_gloo(rank: int, port: int, elements: int, repeats: int = 500) -> dic
     return result
 
 
+def run_rank_processes(arguments: list[str], world: int, what: str, timeout_s: float = 600) -> list[dict]:
+    """Run ``python -m <arguments> --rank=R`` for every rank at once (one thread each) and return
+    the JSON object each prints on its last line; a failed rank raises with its stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    processes = [subprocess.Popen([sys.executable, "-m", *arguments, f"--rank={rank}"], cwd=BENCH_DIR.parent,
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank in range(world)]
+    outputs = [process.communicate(timeout=timeout_s) for process in processes]
+    for process, (_, stderr) in zip(processes, outputs):
+        if process.returncode != 0:
+            raise RuntimeError(f"{what} failed:\n{stderr[-2000:]}")
+    return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
+
+
 def gloo_latency_probe(elements: int) -> dict:
     port = 29000 + os.getpid() % 1000
-    command = [sys.executable, "-m", "bench.machine_probes", "--measure-gloo", f"--gloo-port={port}",
-               f"--gloo-elements={elements}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    processes = [subprocess.Popen([*command, f"--gloo-rank={rank}"], cwd=BENCH_DIR.parent, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for rank in (0, 1)]
-    outputs = [process.communicate(timeout=300)[0] for process in processes]
-    if any(process.returncode != 0 for process in processes):
-        raise RuntimeError("gloo latency probe failed")
-    microseconds = json.loads(outputs[0].strip().splitlines()[-1])
+    arguments = ["bench.machine_probes", "--measure-gloo", f"--gloo-port={port}", f"--gloo-elements={elements}"]
+    microseconds = run_rank_processes(arguments, 2, "gloo latency probe", timeout_s=300)[0]
     return {"elements": elements, "us_per_collective": microseconds,
             "us_per_zero2_step": sum(microseconds.values())}
 
@@ -108,11 +115,11 @@ def cpu_share_probe(seconds: float = 2.0) -> list[float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--measure-gloo", action="store_true", required=True)
-    parser.add_argument("--gloo-rank", type=int, default=0)
+    parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--gloo-port", type=int, default=29500)
     parser.add_argument("--gloo-elements", type=int, default=69632)
     args = parser.parse_args(argv)
-    print(json.dumps(measure_gloo(args.gloo_rank, args.gloo_port, args.gloo_elements)))
+    print(json.dumps(measure_gloo(args.rank, args.gloo_port, args.gloo_elements)))
 
 
 if __name__ == "__main__":

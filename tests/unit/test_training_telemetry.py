@@ -16,7 +16,7 @@ import torch.distributed as dist
 from training_core.train.checkpointing import TrainingProgress
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.config import TrainingConfig
-from training_core.train.loop import _append_mean_losses, _pin_to_own_cores
+from training_core.train.loop import _append_mean_losses, pin_to_own_cores
 from training_core.train.telemetry import StartupClock, StepTimer
 
 
@@ -42,7 +42,7 @@ def _affinity_after_pinning(*args) -> set[int]:
     seen: list[set[int]] = []
 
     def pin_and_read() -> None:  # in its own thread: sched_setaffinity(0) pins the calling thread only
-        _pin_to_own_cores(*args)
+        pin_to_own_cores(*args)
         seen.append(os.sched_getaffinity(0))
 
     thread = threading.Thread(target=pin_and_read)

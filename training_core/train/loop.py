@@ -8,6 +8,7 @@ import time
 
 _MODULE_IMPORT_STARTED = time.time()  # start-up split: when a Ray worker begins importing the recipe
 
+import contextlib
 import functools
 import json
 import logging
@@ -16,7 +17,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -34,6 +35,9 @@ from training_core.train.deepspeed_startup import import_deepspeed, skip_unused_
 from training_core.train.model_setup import apply_method, count_parameters, load_base_model
 from training_core.train.schedule import build_lr_scheduler
 from training_core.train.telemetry import StartupClock, StepTimer, model_flops_per_token
+
+if TYPE_CHECKING:
+    from ray.train import Checkpoint
 
 log = logging.getLogger("tessera.train")
 
@@ -78,7 +82,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     if not config.use_gpu:
         if _node_owns_usable_cores():
-            _pin_to_own_cores(context.get_local_rank(), context.get_local_world_size(), config.cpus_per_worker)
+            pin_to_own_cores(context.get_local_rank(), context.get_local_world_size(), config.cpus_per_worker)
         torch.set_num_threads(config.cpus_per_worker)
     startup.mark("process_group")
 
@@ -106,7 +110,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     startup.mark("deepspeed_initialize")
 
     # Resume or start fresh.
-    progress, loader_state, finished_model = _resume(engine, rank, inputs)
+    progress, loader_state, resumed_from = _resume(engine, rank, inputs)
     if loader_state is None:
         torch.manual_seed(config.seed + rank)
     progress.world_size = world_size
@@ -160,7 +164,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     _append_mean_losses(progress, unreduced_losses, world_size)
     progress.finished = True
     if already_finished:  # nothing was trained here: report the finished run's model again
-        write_model = functools.partial(_move_finished_model, finished_model)
+        write_model = functools.partial(_copy_finished_model, resumed_from, rank)
     else:
         write_model = functools.partial(_save_final_model, engine, rank=rank)
     _report(engine, rank, progress, batches.state_dict(), write_model=write_model)
@@ -178,7 +182,7 @@ def _node_owns_usable_cores() -> bool:
     return int(node_cpus) >= len(os.sched_getaffinity(0))
 
 
-def _pin_to_own_cores(local_rank: int, local_world_size: int, cpus_per_worker: int) -> None:
+def pin_to_own_cores(local_rank: int, local_world_size: int, cpus_per_worker: int) -> None:
     """CPU training: give each rank on a node its own cores, as CPU launchers (torchrun's
     `--bind`, Intel's) do. Ranks then stop sharing a core when the scheduler moves them, which
     every collective would wait on (2 workers on 2 cores: 14.3 → 13.5 ms/step, measured). Left
@@ -205,36 +209,41 @@ def _append_mean_losses(progress: TrainingProgress, losses: list[torch.Tensor], 
     losses.clear()
 
 
-def _resume(engine, rank: int, inputs: WorkerInputs) -> tuple[TrainingProgress, dict | None, Path | None]:
-    """Restore from Ray's latest checkpoint, else from the newest complete one on local storage
-    (a worker killed right after a report, or a relaunched Dagster run with the same inputs).
-
-    The third item is set on rank 0 when the checkpoint is a finished run's final one: a copy of
-    its model folder, to be reported again (that checkpoint holds no engine state to rebuild it).
-    """
+def _latest_checkpoint(inputs: WorkerInputs) -> Checkpoint | Path | None:
+    """Ray's latest checkpoint, else the newest complete one on local storage (a worker killed
+    right after a report, or a relaunched Dagster run with the same inputs), else None."""
     import ray.train
 
-    def restore(directory: Path) -> tuple[TrainingProgress, dict | None, Path | None]:
-        progress, loader_state = restore_checkpoint(directory, engine, rank)
-        finished_model = None
-        if progress.finished and rank == 0:
-            finished_model = Path(tempfile.mkdtemp(prefix="tessera-finished-model-")) / MODEL_DIR
-            shutil.copytree(directory / MODEL_DIR, finished_model)
-        return progress, loader_state, finished_model
-
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            progress, loader_state, finished_model = restore(Path(directory))
+    if checkpoint is None and inputs.run_directory:
+        checkpoint = find_latest_checkpoint(Path(inputs.run_directory))
+    return checkpoint
+
+
+@contextlib.contextmanager
+def _checkpoint_directory(checkpoint: Checkpoint | Path) -> Iterator[Path]:
+    """A local folder with the files of a Ray `Checkpoint` or of a checkpoint folder found on disk."""
+    if isinstance(checkpoint, Path):
+        yield checkpoint
     else:
-        local = find_latest_checkpoint(Path(inputs.run_directory)) if inputs.run_directory else None
-        if local is None:
-            return TrainingProgress(), None, None
-        progress, loader_state, finished_model = restore(local)
+        with checkpoint.as_directory() as directory:
+            yield Path(directory)
+
+
+def _resume(
+    engine, rank: int, inputs: WorkerInputs
+) -> tuple[TrainingProgress, dict | None, Checkpoint | Path | None]:
+    """Restore from the latest checkpoint, if any. Returns (progress, loader_state, the checkpoint
+    resumed from or None); a finished run's model is later copied from that checkpoint."""
+    checkpoint = _latest_checkpoint(inputs)
+    if checkpoint is None:
+        return TrainingProgress(), None, None
+    with _checkpoint_directory(checkpoint) as directory:
+        progress, loader_state = restore_checkpoint(directory, engine, rank)
     if not progress.finished:  # relaunching a finished run is a no-op, not a restart
         progress.restarts += 1
     log.warning("rank %d resumed from checkpoint at step %d (restart %d)", rank, progress.step, progress.restarts)
-    return progress, loader_state, finished_model
+    return progress, loader_state, checkpoint
 
 
 def _report(engine, rank: int, progress: TrainingProgress, loader_state: dict,
@@ -255,11 +264,12 @@ def _report(engine, rank: int, progress: TrainingProgress, loader_state: dict,
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
-def _move_finished_model(source: Path | None, directory: Path) -> None:
-    """Rank 0 holds a copy of the finished run's model (see `_resume`); the other ranks write nothing."""
-    if source is not None:
-        shutil.move(str(source), directory)
-        shutil.rmtree(source.parent, ignore_errors=True)
+def _copy_finished_model(checkpoint: Checkpoint | Path, rank: int, directory: Path) -> None:
+    """A finished run's final checkpoint holds no engine state to save the model from: rank 0
+    copies its model folder instead; the other ranks write nothing."""
+    if rank == 0:
+        with _checkpoint_directory(checkpoint) as source:
+            shutil.copytree(source / MODEL_DIR, directory)
 
 
 def _save_final_model(engine, directory: Path, rank: int) -> None:
