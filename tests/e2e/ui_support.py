@@ -303,9 +303,7 @@ def launch_partition_run(dev: DagsterDev, job_name: str, partition_key: str) -> 
     """Launch `job_name` for one partition, as the UI's "Materialize" does; return the run id."""
     params = {
         "selector": {**repository_selector(dev), "jobName": job_name},
-        # One process for all steps: a process per step re-imports torch/transformers/Ray (~7 s each
-        # on two cores) and this test is about the UI, not the executor.
-        "runConfigData": {"execution": {"config": {"in_process": {}}}},
+        "runConfigData": {},  # the job's defaults, as a click on "Materialize" uses them
         "executionMetadata": {"tags": [{"key": "dagster/partition", "value": partition_key}]},
     }
     result = dev.graphql(LAUNCH_RUN_MUTATION, {"params": params})["launchRun"]

@@ -36,3 +36,10 @@ def test_blocking_checks_guard_dataset_and_promotion():
     blocking = {(k.asset_key.path[-1], k.name) for k in graph.asset_check_keys if graph.get_check_spec(k).blocking}
     assert {("training_dataset", "no_eval_leakage"), ("evaluation", "beats_base_model"),
             ("evaluation", "not_worse_than_champion")} <= blocking
+
+
+def test_every_local_run_executes_its_steps_in_one_process():
+    # UI launches, the schedule and backfills (Dagster's implicit asset job) alike: a process per
+    # step would re-import torch, transformers and Ray before each step.
+    jobs = [defs.resolve_job_def("train_and_promote"), defs.resolve_implicit_global_asset_job_def()]
+    assert [job.executor_def.name for job in jobs] == ["in_process", "in_process"]
