@@ -118,9 +118,12 @@ class DagsterDev:
 
 
 def write_instance_settings(dagster_home: Path) -> None:
-    """Telemetry off, and no "join the community" dialog covering the page."""
+    """The instance `make ui` runs on (telemetry and the "join the community" dialog off, the
+    training pool limit, run monitoring), so the browser tests exercise what users get."""
+    from pipelines.instance import INSTANCE_SETTINGS
+
     dagster_home.mkdir(parents=True, exist_ok=True)
-    (dagster_home / "dagster.yaml").write_text("telemetry:\n  enabled: false\nnux:\n  enabled: false\n")
+    (dagster_home / "dagster.yaml").write_text(INSTANCE_SETTINGS)
 
 
 def start_dagster_dev(tessera_home: Path, log_path: Path, port: int | None = None) -> DagsterDev:
