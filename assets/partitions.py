@@ -1,3 +1,5 @@
+import warnings
+
 import dagster as dg
 
 # Daily data partitions; the demo uses the first day so its output never depends on today's date.
@@ -8,9 +10,13 @@ DEMO_PARTITION = "2026-11-01"
 # (D included) and evaluates on their held-out splits. Days before the first partition are skipped;
 # days inside the window must be materialized (the daily schedule and backfills do that).
 TRAINING_WINDOW_DAYS = 2
-TRAINING_WINDOW = dg.TimeWindowPartitionMapping(
-    start_offset=-(TRAINING_WINDOW_DAYS - 1), end_offset=0, allow_nonexistent_upstream_partitions=True
-)
+# `allow_nonexistent_upstream_partitions` (Dagster marks it beta) lets the first day train on
+# itself alone; its warning is silenced here, where we chose it, not repeated in every log.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=dg.BetaWarning, message=".*allow_nonexistent_upstream_partitions.*")
+    TRAINING_WINDOW = dg.TimeWindowPartitionMapping(
+        start_offset=-(TRAINING_WINDOW_DAYS - 1), end_offset=0, allow_nonexistent_upstream_partitions=True
+    )
 
 
 def by_partition(value, context: dg.AssetExecutionContext, input_name: str) -> dict:
