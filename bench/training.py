@@ -346,9 +346,10 @@ def run(output_dir: Path, quick: bool = False) -> dict:
     machine["cpu_share_2_busy_processes_at_start"] = cpu_share_probe()
     details: dict[str, dict] = {}
     errors: dict[str, str] = {}
-    from training_core.train.ray_trainer import use_preemption_watcher
+    from training_core.train.ray_trainer import use_cluster_services, use_preemption_watcher
 
     use_preemption_watcher(False)  # in-process local Ray, as the local code location runs it
+    use_cluster_services(False)
     if not ray.is_initialized():
         ray.init(num_cpus=2, logging_level="warning")
     try:

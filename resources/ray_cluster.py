@@ -11,7 +11,7 @@ from typing import Any
 from dagster_ray import Lifecycle, LocalRay, RayResource
 from pydantic import Field, PrivateAttr
 
-from training_core.train.ray_trainer import use_preemption_watcher
+from training_core.train.ray_trainer import use_cluster_services, use_preemption_watcher
 
 
 class _SharesRunningRay:
@@ -49,8 +49,15 @@ class LocalRayCluster(_SharesRunningRay, LocalRay):
         description="run Ray Train's preemption watcher; a one-node local cluster is never drained",
     )
 
+    cluster_services: bool = Field(
+        default=False,
+        description="use Ray Train's placement-group cleaner and autoscaling-coordinator actors; "
+                    "a local one-node Ray has no autoscaler and ends with the run's process",
+    )
+
     def connect(self, context):  # type: ignore[override]
         use_preemption_watcher(self.preemption_watcher)
+        use_cluster_services(self.cluster_services)
         return super().connect(context)
 
 

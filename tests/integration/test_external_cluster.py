@@ -72,6 +72,10 @@ def two_node_cluster(tmp_path_factory):
 def _start_demo(home: Path, address: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, **CLUSTER_ENV, "TESSERA_RAY_ADDRESS": address, "PYTHONUNBUFFERED": "1"}
     env.pop("TESSERA_FAULT_STEP", None)
+    # Ray Train's own actors as an external cluster runs them: the test session's local-Ray
+    # settings (no preemption watcher, no cluster-service actors) must not leak into this run.
+    for name in ("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "TESSERA_RAY_TRAIN_CLUSTER_SERVICES"):
+        env.pop(name, None)
     return subprocess.Popen([str(VENV_BIN / "tessera"), "demo", "--home", str(home)], env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -101,6 +101,17 @@ def test_lora_run_learns_and_matches_golden_first_loss(train):
         assert 0.0 <= telemetry[f"{phase}_blocked_s"] <= telemetry[f"{phase}_s"] + 1e-3
 
 
+def test_local_runs_start_no_cluster_service_actors(train):
+    # The test session's Ray is local, as the local code location's (see tests/conftest.py): no
+    # placement-group cleaner, no autoscaling coordinator. Ray Train's own actors still run.
+    from ray.util.state import list_actors
+
+    train("lora-2w", _config())
+    started = {actor.class_name for actor in list_actors(limit=10_000)}
+    assert {"TrainController", "RayTrainWorker"} <= started
+    assert not started & {"PlacementGroupCleaner", "_AutoscalingCoordinatorActor"}, started
+
+
 def test_same_seed_gives_identical_loss_curve_and_adapter(train):
     _assert_identical(train("lora-2w", _config()), train("lora-2w-again", _config()))
 

@@ -84,3 +84,47 @@ def test_trainer_starts_ray_datas_dataset_manager_only_for_ray_datasets(datasets
     trainer = torch_trainer_class()(lambda: None, datasets=datasets)
     kinds = {type(callback) for callback in trainer._create_default_callbacks()}
     assert (DatasetsCallback in kinds) == bool(datasets)
+
+
+@pytest.mark.parametrize("setting", [None, "1", "0"], ids=["ray default", "on", "off"])
+def test_trainer_uses_cluster_services_unless_turned_off(monkeypatch, setting):
+    import ray.train
+    import ray.train.torch
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy, ResizeDecision
+
+    from training_core.train.ray_trainer import CLUSTER_SERVICES_ENV, torch_trainer_class
+
+    if setting is None:
+        monkeypatch.delenv(CLUSTER_SERVICES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(CLUSTER_SERVICES_ENV, setting)
+    trainer = torch_trainer_class()(lambda: None, scaling_config=ray.train.ScalingConfig(num_workers=2))
+    kinds = {type(callback) for callback in trainer._create_default_callbacks()}
+    assert (PlacementGroupCleanerCallback in kinds) == (setting != "0")
+
+    # the scaling policy the controller gets: Ray's own, or one that never asks the autoscaler
+    sent = {}
+    monkeypatch.setattr(ray.train.torch.TorchTrainer, "_initialize_and_run_controller",
+                        lambda self, **kwargs: sent.update(kwargs))
+    trainer._initialize_and_run_controller(scaling_policy=FixedScalingPolicy(trainer.scaling_config))
+    policy = sent["scaling_policy"]
+    assert isinstance(policy, FixedScalingPolicy) and policy.scaling_config.num_workers == 2
+    assert (type(policy) is FixedScalingPolicy) == (setting != "0")
+    if setting == "0":
+        policy.after_controller_start(train_run_context=None)  # Ray's would create the coordinator actor
+        assert policy._coordinator_client is None
+        assert isinstance(policy.make_decision_for_non_running_worker_group(), ResizeDecision)
+
+
+def test_local_ray_uses_no_cluster_services_unless_asked(monkeypatch):
+    from resources.ray_cluster import LocalRayCluster
+    from training_core.train.ray_trainer import CLUSTER_SERVICES_ENV, use_cluster_services
+
+    assert LocalRayCluster().cluster_services is False
+    monkeypatch.delenv(CLUSTER_SERVICES_ENV, raising=False)
+    use_cluster_services(False)
+    assert os.environ[CLUSTER_SERVICES_ENV] == "0"
+    monkeypatch.setenv(CLUSTER_SERVICES_ENV, "1")  # set by the operator: kept
+    use_cluster_services(False)
+    assert os.environ[CLUSTER_SERVICES_ENV] == "1"

@@ -8,6 +8,8 @@ import functools
 import os
 
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+# Tessera's own switch (Ray has none): read by `torch_trainer_class()`'s trainers when they start.
+CLUSTER_SERVICES_ENV = "TESSERA_RAY_TRAIN_CLUSTER_SERVICES"
 
 
 def use_preemption_watcher(enabled: bool) -> None:
@@ -20,6 +22,27 @@ def use_preemption_watcher(enabled: bool) -> None:
     os.environ.setdefault(PREEMPTION_WATCHER_ENV, "1" if enabled else "0")
 
 
+def use_cluster_services(enabled: bool) -> None:
+    """Whether the trainers this process starts next use two Ray Train services that exist for
+    shared, autoscaled clusters (Ray's default is on):
+
+    * the placement-group cleaner, a detached actor per run that removes the run's placement group
+      if the controller process dies without cleaning up; the controller blocks until it is up,
+      and stopping it adds ~1 s to the end of every run;
+    * resource requests to Ray Data's autoscaling coordinator, a detached actor created by the
+      first run on a cluster, which imports Ray Data; the controller blocks on it too.
+
+    A one-node local Ray started by this process has no autoscaler and ends with the process, which
+    frees every placement group; on 2 cores each of these actors' start-up also competes with the
+    workers' (measurements in docs/training_benchmark.md). A value set in the environment before
+    this call wins."""
+    os.environ.setdefault(CLUSTER_SERVICES_ENV, "1" if enabled else "0")
+
+
+def _cluster_services_enabled() -> bool:
+    return os.environ.get(CLUSTER_SERVICES_ENV) != "0"
+
+
 def use_quick_health_checks() -> None:
     """Ray Train's controller polls its workers every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``; Ray's
     default added seconds to the end of every run. 0.5 s unless the environment sets it; read
@@ -29,26 +52,76 @@ def use_quick_health_checks() -> None:
 
 @functools.cache
 def torch_trainer_class() -> type:
-    """``TorchTrainer``, minus Ray Data's ``DatasetsCallback`` when the run passes no Ray Dataset
-    (Tessera never does: batches come from the row-group reader). Ray Train V2 otherwise starts a
-    ``DatasetManager`` actor per run that imports Ray Data, ~0.8 CPU-s while the workers start:
-    three alternating fresh-process runs each put 2-worker start-up at 16.2 / 16.3 / 14.2 s with
-    it and 14.9 / 14.6 / 13.1 s without. Workers get no dataset shard provider, which only
-    ``ray.train.get_dataset_shard`` would use."""
+    """``TorchTrainer`` without the Ray Train actors a Tessera run does not need:
+
+    * Ray Data's ``DatasetsCallback`` when the run passes no Ray Dataset (Tessera never does:
+      batches come from the row-group reader). Ray Train V2 otherwise starts a ``DatasetManager``
+      actor per run that imports Ray Data, ~0.8 CPU-s while the workers start: three alternating
+      fresh-process runs each put 2-worker start-up at 16.2 / 16.3 / 14.2 s with it and 14.9 /
+      14.6 / 13.1 s without. Workers get no dataset shard provider, which only
+      ``ray.train.get_dataset_shard`` would use.
+    * The placement-group cleaner and the autoscaling coordinator's resource requests when
+      :func:`use_cluster_services` turned them off.
+
+    Each is kept, as Ray has it, if Ray moved the class this relies on."""
     from ray.train.torch import TorchTrainer
 
-    try:
-        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-    except ImportError:  # Ray moved it: keep Ray's behaviour
-        return TorchTrainer
     if not hasattr(TorchTrainer, "_create_default_callbacks"):
         return TorchTrainer
+    try:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    except ImportError:
+        DatasetsCallback = None  # noqa: N806 - Ray moved it: keep Ray's behaviour
+    try:
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    except ImportError:
+        PlacementGroupCleanerCallback = None  # noqa: N806
+    policy_replacement = _fixed_scaling_without_autoscaler()  # (Ray's class, ours) or None
 
-    class TorchTrainerWithoutIdleDatasets(TorchTrainer):
+    class TesseraTorchTrainer(TorchTrainer):
         def _create_default_callbacks(self):
-            callbacks = super()._create_default_callbacks()
-            if self.datasets:
-                return callbacks
-            return [callback for callback in callbacks if not isinstance(callback, DatasetsCallback)]
+            unneeded: list[type] = []
+            if DatasetsCallback is not None and not self.datasets:
+                unneeded.append(DatasetsCallback)
+            if PlacementGroupCleanerCallback is not None and not _cluster_services_enabled():
+                unneeded.append(PlacementGroupCleanerCallback)
+            return [callback for callback in super()._create_default_callbacks()
+                    if not isinstance(callback, tuple(unneeded))]
 
-    return TorchTrainerWithoutIdleDatasets
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            policy = controller_init_kwargs.get("scaling_policy")
+            if policy_replacement is not None and not _cluster_services_enabled():
+                ray_fixed, without_autoscaler = policy_replacement
+                if type(policy) is ray_fixed:  # elastic policies need the coordinator: left alone
+                    controller_init_kwargs["scaling_policy"] = without_autoscaler(policy.scaling_config)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    return TesseraTorchTrainer
+
+
+def _fixed_scaling_without_autoscaler() -> tuple[type, type] | None:
+    """Ray's fixed-size scaling policy and a subclass without its requests to the autoscaling
+    coordinator (None if Ray moved either). Defined here, not at module level, so that importing this module does not
+    import Ray; cloudpickle sends the class to the controller by value."""
+    try:
+        from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
+    except ImportError:
+        return None
+    needed = ("after_controller_start", "_maybe_send_resource_request", "_send_resource_request")
+    if not all(hasattr(FixedScalingPolicy, name) for name in needed):
+        return None
+
+    class FixedScalingWithoutAutoscaler(FixedScalingPolicy):
+        """Same decisions; no resource requests (a one-node local cluster has no autoscaler). With
+        no coordinator client, Ray's shutdown and abort hooks have nothing to cancel."""
+
+        def after_controller_start(self, train_run_context):
+            return None
+
+        def _maybe_send_resource_request(self):
+            return None
+
+        def _send_resource_request(self):
+            return None
+
+    return FixedScalingPolicy, FixedScalingWithoutAutoscaler
