@@ -101,8 +101,9 @@ def torch_trainer_class() -> type:
 
 def _fixed_scaling_without_autoscaler() -> tuple[type, type] | None:
     """Ray's fixed-size scaling policy and a subclass without its requests to the autoscaling
-    coordinator (None if Ray moved either). Defined here, not at module level, so that importing this module does not
-    import Ray; cloudpickle sends the class to the controller by value."""
+    coordinator (None if Ray moved either). Defined in a function, not at module level, so that
+    importing this module does not import Ray; cloudpickle sends the class to the controller by
+    value."""
     try:
         from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
     except ImportError:
