@@ -346,10 +346,9 @@ def run(output_dir: Path, quick: bool = False) -> dict:
     machine["cpu_share_2_busy_processes_at_start"] = cpu_share_probe()
     details: dict[str, dict] = {}
     errors: dict[str, str] = {}
-    from training_core.train.ray_trainer import use_cluster_services, use_preemption_watcher
+    from training_core.train.ray_trainer import use_local_ray_defaults
 
-    use_preemption_watcher(False)  # in-process local Ray, as the local code location runs it
-    use_cluster_services(False)
+    use_local_ray_defaults()  # in-process local Ray, as the local code location runs it
     if not ray.is_initialized():
         ray.init(num_cpus=2, logging_level="warning")
     try:

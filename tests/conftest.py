@@ -21,11 +21,9 @@ from training_core.data.demo_task import generate_records, tokenizer_corpus  # n
 def ray_session():
     import ray
 
-    from training_core.train.ray_trainer import use_cluster_services, use_preemption_watcher
+    from training_core.train.ray_trainer import use_local_ray_defaults
 
-    # one local node owned by this process, as the local code location's LocalRayCluster runs it
-    use_preemption_watcher(False)
-    use_cluster_services(False)
+    use_local_ray_defaults()  # one local node owned by this process, as the local code location runs it
     if not ray.is_initialized():
         ray.init(num_cpus=2, logging_level="warning")
     yield ray

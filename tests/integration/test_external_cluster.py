@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from training_core.train.ray_trainer import LOCAL_RAY_SETTINGS_ENV
+
 pytestmark = pytest.mark.integration
 
 VENV_BIN = Path(sys.executable).parent
@@ -74,7 +76,7 @@ def _start_demo(home: Path, address: str, log: Path) -> subprocess.Popen:
     env.pop("TESSERA_FAULT_STEP", None)
     # Ray Train's own actors as an external cluster runs them: the test session's local-Ray
     # settings (no preemption watcher, no cluster-service actors) must not leak into this run.
-    for name in ("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "TESSERA_RAY_TRAIN_CLUSTER_SERVICES"):
+    for name in LOCAL_RAY_SETTINGS_ENV:
         env.pop(name, None)
     return subprocess.Popen([str(VENV_BIN / "tessera"), "demo", "--home", str(home)], env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)

@@ -62,17 +62,25 @@ def test_external_clusters_count_as_created_and_ready_so_training_only_connects(
     assert cluster.created and cluster.ready
 
 
-def test_local_ray_runs_no_preemption_watcher_unless_asked(monkeypatch):
+@pytest.mark.parametrize(
+    ("field", "env", "setter"),
+    [("preemption_watcher", "PREEMPTION_WATCHER_ENV", "use_preemption_watcher"),
+     ("cluster_services", "CLUSTER_SERVICES_ENV", "use_cluster_services")],
+    ids=["preemption watcher", "cluster services"],
+)
+def test_local_ray_turns_off_cluster_actors_unless_asked(monkeypatch, field, env, setter):
     from resources.ray_cluster import LocalRayCluster
-    from training_core.train.ray_trainer import PREEMPTION_WATCHER_ENV, use_preemption_watcher
+    from training_core.train import ray_trainer
 
-    assert LocalRayCluster().preemption_watcher is False
-    monkeypatch.delenv(PREEMPTION_WATCHER_ENV, raising=False)
-    use_preemption_watcher(False)
-    assert os.environ[PREEMPTION_WATCHER_ENV] == "0"
-    monkeypatch.setenv(PREEMPTION_WATCHER_ENV, "1")  # set by the operator: kept
-    use_preemption_watcher(False)
-    assert os.environ[PREEMPTION_WATCHER_ENV] == "1"
+    env, use = getattr(ray_trainer, env), getattr(ray_trainer, setter)
+    assert getattr(LocalRayCluster(), field) is False
+    assert env in ray_trainer.LOCAL_RAY_SETTINGS_ENV  # cleared where a process trains elsewhere
+    monkeypatch.delenv(env, raising=False)
+    use(False)
+    assert os.environ[env] == "0"
+    monkeypatch.setenv(env, "1")  # set by the operator: kept
+    use(False)
+    assert os.environ[env] == "1"
 
 
 @pytest.mark.parametrize("datasets", [None, {"train": lambda: None}], ids=["no datasets", "ray datasets"])
@@ -115,16 +123,3 @@ def test_trainer_uses_cluster_services_unless_turned_off(monkeypatch, setting):
         policy.after_controller_start(train_run_context=None)  # Ray's would create the coordinator actor
         assert policy._coordinator_client is None
         assert isinstance(policy.make_decision_for_non_running_worker_group(), ResizeDecision)
-
-
-def test_local_ray_uses_no_cluster_services_unless_asked(monkeypatch):
-    from resources.ray_cluster import LocalRayCluster
-    from training_core.train.ray_trainer import CLUSTER_SERVICES_ENV, use_cluster_services
-
-    assert LocalRayCluster().cluster_services is False
-    monkeypatch.delenv(CLUSTER_SERVICES_ENV, raising=False)
-    use_cluster_services(False)
-    assert os.environ[CLUSTER_SERVICES_ENV] == "0"
-    monkeypatch.setenv(CLUSTER_SERVICES_ENV, "1")  # set by the operator: kept
-    use_cluster_services(False)
-    assert os.environ[CLUSTER_SERVICES_ENV] == "1"

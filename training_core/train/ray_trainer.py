@@ -39,6 +39,17 @@ def use_cluster_services(enabled: bool) -> None:
     os.environ.setdefault(CLUSTER_SERVICES_ENV, "1" if enabled else "0")
 
 
+# What a local cluster sets in the environment (a process that starts trainers elsewhere clears it).
+LOCAL_RAY_SETTINGS_ENV = (PREEMPTION_WATCHER_ENV, CLUSTER_SERVICES_ENV)
+
+
+def use_local_ray_defaults() -> None:
+    """A one-node local Ray owned by this process: no preemption watcher, no cluster services
+    (as `LocalRayCluster` runs it by default)."""
+    use_preemption_watcher(False)
+    use_cluster_services(False)
+
+
 def _cluster_services_enabled() -> bool:
     return os.environ.get(CLUSTER_SERVICES_ENV) != "0"
 
