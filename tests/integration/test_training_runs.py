@@ -103,13 +103,51 @@ def test_lora_run_learns_and_matches_golden_first_loss(train):
 
 def test_local_runs_start_no_cluster_service_actors(train):
     # The test session's Ray is local, as the local code location's (see tests/conftest.py): no
-    # placement-group cleaner, no autoscaling coordinator. Ray Train's own actors still run.
+    # placement-group cleaner, no autoscaling coordinator. Ray Train's own actors still run, in
+    # Ray's pooled worker processes: no runtime env of their own.
     from ray.util.state import list_actors
 
     train("lora-2w", _config())
-    started = {actor.class_name for actor in list_actors(limit=10_000)}
-    assert {"TrainController", "RayTrainWorker"} <= started
-    assert not started & {"PlacementGroupCleaner", "_AutoscalingCoordinatorActor"}, started
+    actors = list_actors(limit=10_000, detail=True)
+    started = {actor.class_name for actor in actors}
+    assert {"PooledProcessTrainController", "RayTrainWorker"} <= started
+    assert not started & {"TrainController", "PlacementGroupCleaner", "_AutoscalingCoordinatorActor"}, started
+    for actor in actors:
+        if actor.class_name in ("PooledProcessTrainController", "RayTrainWorker"):
+            assert "env_vars" not in (actor.serialized_runtime_env or "{}"), actor
+
+
+def _write_ray_train_settings(config: dict) -> None:
+    import json
+
+    import ray.train
+
+    if ray.train.get_context().get_world_rank() == 0:
+        settings = {name: value for name, value in os.environ.items() if name.startswith("RAY_TRAIN_")}
+        Path(config["out"]).write_text(json.dumps(settings))
+
+
+def test_pooled_worker_processes_get_the_drivers_ray_train_settings(ray_session, tmp_path, monkeypatch):
+    # A setting made after Ray started is not in the pooled processes' inherited environment:
+    # the controller receives it and applies it to the workers, as Ray's runtime env would.
+    import json
+
+    import ray.train
+    from ray.train.torch import TorchConfig
+
+    from training_core.train.ray_trainer import torch_trainer_class
+
+    monkeypatch.setenv("RAY_TRAIN_COLLECTIVE_WARN_INTERVAL_S", "123")
+    out = tmp_path / "settings.json"
+    torch_trainer_class()(
+        _write_ray_train_settings, train_loop_config={"out": str(out)}, torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=ray.train.RunConfig(name="settings-probe", storage_path=str(tmp_path / "ray")),
+    ).fit()
+    seen = json.loads(out.read_text())
+    assert seen["RAY_TRAIN_COLLECTIVE_WARN_INTERVAL_S"] == "123"
+    assert seen["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"]
+    assert seen["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
 
 
 def test_same_seed_gives_identical_loss_curve_and_adapter(train):

@@ -63,24 +63,28 @@ def test_external_clusters_count_as_created_and_ready_so_training_only_connects(
 
 
 @pytest.mark.parametrize(
-    ("field", "env", "setter"),
-    [("preemption_watcher", "PREEMPTION_WATCHER_ENV", "use_preemption_watcher"),
-     ("cluster_services", "CLUSTER_SERVICES_ENV", "use_cluster_services")],
-    ids=["preemption watcher", "cluster services"],
+    ("field", "env", "setter", "local_default"),
+    [("preemption_watcher", "PREEMPTION_WATCHER_ENV", "use_preemption_watcher", False),
+     ("cluster_services", "CLUSTER_SERVICES_ENV", "use_cluster_services", False),
+     ("pooled_worker_processes", "POOLED_PROCESSES_ENV", "use_pooled_worker_processes", True)],
+    ids=["preemption watcher", "cluster services", "pooled worker processes"],
 )
-def test_local_ray_turns_off_cluster_actors_unless_asked(monkeypatch, field, env, setter):
+def test_local_ray_changes_ray_train_defaults_unless_the_operator_set_them(
+    monkeypatch, field, env, setter, local_default
+):
     from resources.ray_cluster import LocalRayCluster
     from training_core.train import ray_trainer
 
     env, use = getattr(ray_trainer, env), getattr(ray_trainer, setter)
-    assert getattr(LocalRayCluster(), field) is False
+    assert getattr(LocalRayCluster(), field) is local_default
     assert env in ray_trainer.LOCAL_RAY_SETTINGS_ENV  # cleared where a process trains elsewhere
+    ours, theirs = ("1", "0") if local_default else ("0", "1")
     monkeypatch.delenv(env, raising=False)
-    use(False)
-    assert os.environ[env] == "0"
-    monkeypatch.setenv(env, "1")  # set by the operator: kept
-    use(False)
-    assert os.environ[env] == "1"
+    use(local_default)
+    assert os.environ[env] == ours
+    monkeypatch.setenv(env, theirs)  # set by the operator: kept
+    use(local_default)
+    assert os.environ[env] == theirs
 
 
 @pytest.mark.parametrize("datasets", [None, {"train": lambda: None}], ids=["no datasets", "ray datasets"])
@@ -101,8 +105,9 @@ def test_trainer_uses_cluster_services_unless_turned_off(monkeypatch, setting):
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
     from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy, ResizeDecision
 
-    from training_core.train.ray_trainer import CLUSTER_SERVICES_ENV, torch_trainer_class
+    from training_core.train.ray_trainer import CLUSTER_SERVICES_ENV, POOLED_PROCESSES_ENV, torch_trainer_class
 
+    monkeypatch.setenv(POOLED_PROCESSES_ENV, "0")  # Ray's controller start-up, recorded below
     if setting is None:
         monkeypatch.delenv(CLUSTER_SERVICES_ENV, raising=False)
     else:

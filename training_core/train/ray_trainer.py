@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+from typing import Callable
 
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-# Tessera's own switch (Ray has none): read by `torch_trainer_class()`'s trainers when they start.
+# Tessera's own switches (Ray has none): read by `torch_trainer_class()`'s trainers when they start.
 CLUSTER_SERVICES_ENV = "TESSERA_RAY_TRAIN_CLUSTER_SERVICES"
+POOLED_PROCESSES_ENV = "TESSERA_RAY_TRAIN_POOLED_PROCESSES"
 
 
 def use_preemption_watcher(enabled: bool) -> None:
@@ -39,19 +42,37 @@ def use_cluster_services(enabled: bool) -> None:
     os.environ.setdefault(CLUSTER_SERVICES_ENV, "1" if enabled else "0")
 
 
+def use_pooled_worker_processes(enabled: bool) -> None:
+    """Whether the trainers this process starts next run their controller and workers in Ray's
+    pooled worker processes (Ray's default is off). Ray Train gives each of those actors a
+    ``runtime_env`` holding its ``RAY_TRAIN_*`` settings, and Ray starts a fresh Python process
+    for every actor with a runtime env of its own: the controller first, then the workers, about
+    1-2 s each on 2 cores. Without it, Ray hands them worker processes it has already started
+    (imported Ray, connected), and Tessera applies the same settings in each actor instead: a
+    no-op 2-worker run in a fresh local Ray (what every Dagster run is) started ~3.5 s sooner,
+    later runs ~1.5 s sooner (docs/training_benchmark.md). A value set in the environment before
+    this call wins."""
+    os.environ.setdefault(POOLED_PROCESSES_ENV, "1" if enabled else "0")
+
+
 # What a local cluster sets in the environment (a process that starts trainers elsewhere clears it).
-LOCAL_RAY_SETTINGS_ENV = (PREEMPTION_WATCHER_ENV, CLUSTER_SERVICES_ENV)
+LOCAL_RAY_SETTINGS_ENV = (PREEMPTION_WATCHER_ENV, CLUSTER_SERVICES_ENV, POOLED_PROCESSES_ENV)
 
 
 def use_local_ray_defaults() -> None:
-    """A one-node local Ray owned by this process: no preemption watcher, no cluster services
-    (as `LocalRayCluster` runs it by default)."""
+    """A one-node local Ray owned by this process: no preemption watcher, no cluster services,
+    pooled worker processes (as `LocalRayCluster` runs it by default)."""
     use_preemption_watcher(False)
     use_cluster_services(False)
+    use_pooled_worker_processes(True)
 
 
 def _cluster_services_enabled() -> bool:
     return os.environ.get(CLUSTER_SERVICES_ENV) != "0"
+
+
+def _pooled_processes_enabled() -> bool:
+    return os.environ.get(POOLED_PROCESSES_ENV) == "1"
 
 
 def use_quick_health_checks() -> None:
@@ -73,8 +94,11 @@ def torch_trainer_class() -> type:
       ``ray.train.get_dataset_shard`` would use.
     * The placement-group cleaner and the autoscaling coordinator's resource requests when
       :func:`use_cluster_services` turned them off.
+    * The controller's and the workers' runtime envs when :func:`use_pooled_worker_processes`
+      turned on pooled processes.
 
     Each is kept, as Ray has it, if Ray moved the class this relies on."""
+    import ray
     from ray.train.torch import TorchTrainer
 
     if not hasattr(TorchTrainer, "_create_default_callbacks"):
@@ -88,6 +112,7 @@ def torch_trainer_class() -> type:
     except ImportError:
         PlacementGroupCleanerCallback = None  # noqa: N806
     policy_replacement = _fixed_scaling_without_autoscaler()  # (Ray's class, ours) or None
+    pooled_controller = _controller_in_pooled_process()  # (controller class, settings) or None
 
     class TesseraTorchTrainer(TorchTrainer):
         def _create_default_callbacks(self):
@@ -105,9 +130,82 @@ def torch_trainer_class() -> type:
                 ray_fixed, without_autoscaler = policy_replacement
                 if type(policy) is ray_fixed:  # elastic policies need the coordinator: left alone
                     controller_init_kwargs["scaling_policy"] = without_autoscaler(policy.scaling_config)
-            return super()._initialize_and_run_controller(**controller_init_kwargs)
+            if pooled_controller is None or not _pooled_processes_enabled():
+                return super()._initialize_and_run_controller(**controller_init_kwargs)
+            # Ray's method without the controller's runtime_env; the settings travel as an argument.
+            controller_class, ray_train_settings = pooled_controller
+            controller = ray.remote(
+                num_cpus=0,
+                label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
+            )(controller_class).remote(ray_train_settings=ray_train_settings(), **controller_init_kwargs)
+            if threading.current_thread() is threading.main_thread():
+                self._register_sigint_handler(controller)  # Ctrl-C aborts the run, as in Ray's
+            ray.get(controller.run.remote())
+            return ray.get(controller.get_result.remote())
 
     return TesseraTorchTrainer
+
+
+def _controller_in_pooled_process() -> tuple[type, Callable[[], dict]] | None:
+    """A Ray Train controller class that runs in a pooled worker process, with workers that do too,
+    and the function that gives the ``RAY_TRAIN_*`` settings Ray would have put in their runtime
+    envs (None if Ray moved what this relies on). Each actor applies those settings to its own
+    process's environment when it starts, before Ray Train reads them; pooled processes are only
+    ever used by one actor, which ends with the run. Defined in a function: see
+    :func:`_fixed_scaling_without_autoscaler`."""
+    import ray
+    from ray.train.torch import TorchTrainer
+
+    try:
+        from ray.train.v2._internal.constants import (
+            DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+            RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
+            get_env_vars_to_propagate,
+        )
+        from ray.train.v2._internal.execution.controller.controller import TrainController
+        from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+    except ImportError:
+        return None
+    needed = [(TrainController, "worker_group_cls"), (WorkerGroup, "_get_worker_runtime_env"),
+              (WorkerGroup, "_create_workers"), (TorchTrainer, "_register_sigint_handler"),
+              (ray._raylet, "RAY_NODE_ID_KEY")]
+    if not all(hasattr(owner, name) for owner, name in needed):
+        return None
+
+    def ray_train_settings() -> dict:
+        """What Ray's `_initialize_and_run_controller` puts in the controller's runtime env."""
+        settings = get_env_vars_to_propagate()
+        settings.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
+        return settings
+
+    class PooledProcessWorkerGroup(WorkerGroup):
+        @staticmethod
+        def _get_worker_runtime_env(custom_runtime_env):
+            if custom_runtime_env:  # a process of its own anyway: Ray's runtime env, settings included
+                return WorkerGroup._get_worker_runtime_env(custom_runtime_env)
+            return {}
+
+        def _create_workers(self, *args, **kwargs):
+            workers = super()._create_workers(*args, **kwargs)
+            # What Ray's worker runtime env would carry: the controller's settings (its environment).
+            settings = get_env_vars_to_propagate()
+            ray.get([worker.actor.execute.remote(_apply_settings, settings) for worker in workers])
+            return workers
+
+    class PooledProcessTrainController(TrainController):
+        worker_group_cls = PooledProcessWorkerGroup
+
+        def __init__(self, *, ray_train_settings: dict, **kwargs):
+            _apply_settings(ray_train_settings)  # before Ray Train reads them, as a runtime env would
+            super().__init__(**kwargs)
+
+    PooledProcessTrainController.__qualname__ = "PooledProcessTrainController"  # its name in Ray's state API
+    return PooledProcessTrainController, ray_train_settings
+
+
+def _apply_settings(settings: dict) -> None:
+    """In a pooled process that now runs one Ray Train actor: what a runtime env would have set."""
+    os.environ.update(settings)
 
 
 def _fixed_scaling_without_autoscaler() -> tuple[type, type] | None:
