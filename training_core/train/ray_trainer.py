@@ -49,7 +49,7 @@ def use_pooled_worker_processes(enabled: bool) -> None:
     for every actor with a runtime env of its own: the controller first, then the workers, about
     1-2 s each on 2 cores. Without it, Ray hands them worker processes it has already started
     (imported Ray, connected), and Tessera applies the same settings in each actor instead: a
-    no-op 2-worker run in a fresh local Ray (what every Dagster run is) started ~3.5 s sooner,
+    no-op 2-worker run in a fresh local Ray (what every Dagster run is) started ~3 s sooner,
     later runs ~1.5 s sooner (docs/training_benchmark.md). A value set in the environment before
     this call wins."""
     os.environ.setdefault(POOLED_PROCESSES_ENV, "1" if enabled else "0")
