@@ -128,3 +128,17 @@ def test_trainer_uses_cluster_services_unless_turned_off(monkeypatch, setting):
         policy.after_controller_start(train_run_context=None)  # Ray's would create the coordinator actor
         assert policy._coordinator_client is None
         assert isinstance(policy.make_decision_for_non_running_worker_group(), ResizeDecision)
+
+
+def test_the_controller_polls_again_at_once_only_after_a_report():
+    from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
+
+    from training_core.train.ray_trainer import delivered_a_report
+
+    def poll(*reports):
+        return WorkerGroupPollStatus(worker_statuses={
+            rank: WorkerStatus(running=True, training_report=report) for rank, report in enumerate(reports)})
+
+    assert not delivered_a_report(poll(None, None))  # mid-epoch: Ray's health-check interval
+    assert delivered_a_report(poll(None, object()))  # a checkpoint or the final report arrived
+    assert not delivered_a_report(WorkerGroupPollStatus(worker_statuses={}))
