@@ -75,7 +75,8 @@ def _start_demo(home: Path, address: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, **CLUSTER_ENV, "TESSERA_RAY_ADDRESS": address, "PYTHONUNBUFFERED": "1"}
     env.pop("TESSERA_FAULT_STEP", None)
     # Ray Train's own actors as an external cluster runs them: the test session's local-Ray
-    # settings (no preemption watcher, no cluster-service actors) must not leak into this run.
+    # settings (no preemption watcher, no cluster-service actors, pooled worker processes) must not
+    # leak into this run.
     for name in LOCAL_RAY_SETTINGS_ENV:
         env.pop(name, None)
     return subprocess.Popen([str(VENV_BIN / "tessera"), "demo", "--home", str(home)], env=env,
