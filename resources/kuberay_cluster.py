@@ -27,6 +27,7 @@ from dagster_ray.kuberay import KubeRayCluster, RayClusterConfig, RayClusterSpec
 from pydantic import BaseModel, ValidationError
 
 from resources.paths import REPO_ROOT
+from resources.ray_cluster import RayDataOptions, ray_data_options_field
 
 DEFAULT_MANIFEST = REPO_ROOT / "deploy" / "kuberay" / "raycluster.yaml"
 RAYCLUSTER_API_VERSION = "ray.io/v1"
@@ -34,6 +35,13 @@ RAYCLUSTER_API_VERSION = "ray.io/v1"
 
 class KubeRayManifestError(ValueError):
     """The RayCluster manifest cannot be turned into a dagster-ray resource."""
+
+
+class TrainingKubeRayCluster(KubeRayCluster):
+    """dagster-ray's `KubeRayCluster`, applying its Ray Data options on connect only when asked for
+    (`RayDataOptions`: Tessera's training reads no Ray Dataset)."""
+
+    data_execution_options: RayDataOptions = ray_data_options_field()
 
 
 def load_raycluster_manifest(path: str | Path = DEFAULT_MANIFEST) -> dict[str, Any]:
@@ -82,8 +90,9 @@ def kuberay_cluster_from_manifest(
     ephemeral: bool = False,
     image: str | None = None,
     **resource_options: Any,
-) -> KubeRayCluster:
-    """The `ray_cluster` resource for production definitions (replaces `LocalRayCluster`).
+) -> TrainingKubeRayCluster:
+    """The `ray_cluster` resource for production definitions (replaces `LocalRayCluster`): dagster-ray's
+    `KubeRayCluster`, with Ray Data options applied on connect only when asked for.
 
     `image` replaces the image of every Ray container (e.g. the immutable tag of this release);
     `resource_options` go to `KubeRayCluster` as they are (`timeout`, `ray_init_options`, ...)."""
@@ -104,7 +113,7 @@ def kuberay_cluster_from_manifest(
         "lifecycle": Lifecycle(create=False, wait=False, connect=False, cleanup="always" if ephemeral else "never"),
         **resource_options,
     }
-    return KubeRayCluster(**options)
+    return TrainingKubeRayCluster(**options)
 
 
 def _group_specs(spec: Mapping[str, Any]) -> list[dict[str, Any]]:

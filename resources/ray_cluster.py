@@ -9,9 +9,39 @@
 from typing import Any
 
 from dagster_ray import Lifecycle, LocalRay, RayResource
+from dagster_ray.configs import RayDataExecutionOptions
 from pydantic import Field, PrivateAttr
 
 from training_core.train.ray_trainer import use_cluster_services, use_pooled_worker_processes, use_preemption_watcher
+
+
+class RayDataOptions(RayDataExecutionOptions):
+    """dagster-ray's Ray Data execution options, applied on connect only when asked for.
+
+    dagster-ray applies them on every connect: in the driver, and through a remote task in one Ray
+    worker, both importing `ray.data`. On two cores that added ~4.5 s to each training run's
+    connect (docs/training_benchmark.md). Tessera's training reads no Ray Dataset (its loader is the
+    row-group reader), so by default nothing is applied."""
+
+    apply_on_connect: bool = Field(
+        default=False,
+        description="apply these options on connect (driver and one worker), for code of your own "
+                    "that uses Ray Data on this cluster; Tessera's training does not",
+    )
+
+    def apply(self) -> None:
+        if self.apply_on_connect:
+            super().apply()
+
+    def apply_remote(self) -> None:
+        if self.apply_on_connect:
+            super().apply_remote()
+
+
+# Declared with the narrower type on each resource: Dagster rebuilds a resource from its config,
+# and a field typed as dagster-ray's class would come back as that class.
+def ray_data_options_field() -> Any:
+    return Field(default_factory=RayDataOptions, description=RayDataOptions.__doc__.splitlines()[0])
 
 
 class _SharesRunningRay:
@@ -55,6 +85,8 @@ class LocalRayCluster(_SharesRunningRay, LocalRay):
                     "a local one-node Ray has no autoscaler and ends with the run's process",
     )
 
+    data_execution_options: RayDataOptions = ray_data_options_field()
+
     pooled_worker_processes: bool = Field(
         default=True,
         description="run Ray Train's controller and workers in Ray's already started worker processes "
@@ -75,6 +107,8 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
                                  description="connect lazily: the training asset connects when it trains")
 
     address: str = Field(description="GCS address of the head node, e.g. 10.0.0.5:6379 or 'auto'")
+
+    data_execution_options: RayDataOptions = ray_data_options_field()
 
     @property
     def host(self) -> str:
@@ -121,4 +155,4 @@ def gpu_available_in_cluster() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-__all__ = ["LocalRayCluster", "ExternalRayCluster", "RayResource", "gpu_available_in_cluster"]
+__all__ = ["LocalRayCluster", "ExternalRayCluster", "RayDataOptions", "RayResource", "gpu_available_in_cluster"]

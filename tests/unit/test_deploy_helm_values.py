@@ -133,7 +133,7 @@ def test_code_location_serves_the_kubernetes_definitions(monkeypatch):
     assert {key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()} >= {
         "raw_examples", "training_dataset", "row_group_cache", "base_model", "lora_adapter", "evaluation",
         "promoted_model"}
-    assert type(defs.resources["ray_cluster"]).__name__ == "KubeRayCluster"
+    assert type(defs.resources["ray_cluster"]).__name__ == "TrainingKubeRayCluster"
 
 
 def test_instance_uses_postgres_with_the_password_from_a_secret():

@@ -142,3 +142,61 @@ def test_the_controller_polls_again_at_once_only_after_a_report():
     assert not delivered_a_report(poll(None, None))  # mid-epoch: Ray's health-check interval
     assert delivered_a_report(poll(None, object()))  # a checkpoint or the final report arrived
     assert not delivered_a_report(WorkerGroupPollStatus(worker_statuses={}))
+
+
+def _ray_cluster_resource(kind: str, **options):
+    """Each `ray_cluster` resource Tessera ships, lazy as the definitions build them."""
+    from resources.kuberay_cluster import kuberay_cluster_from_manifest
+    from resources.ray_cluster import LocalRayCluster
+
+    lazy = Lifecycle(connect=False)
+    if kind == "local":
+        return LocalRayCluster(lifecycle=lazy, **options)
+    if kind == "external":
+        return ExternalRayCluster(address="10.0.0.5:6379", lifecycle=lazy, **options)
+    return kuberay_cluster_from_manifest(**options)
+
+
+@pytest.mark.parametrize("kind", ["local", "external", "kuberay"])
+@pytest.mark.parametrize("opt_in", [False, True], ids=["default", "opted in"])
+def test_ray_data_options_keep_their_type_when_dagster_rebuilds_the_resource(kind, opt_in):
+    """Dagster rebuilds a resource from its config at run time; the options must come back as
+    Tessera's `RayDataOptions`, applied on connect only when the definitions opted in."""
+    from resources.ray_cluster import RayDataOptions
+
+    seen = {}
+
+    @dg.asset
+    def uses_the_cluster(ray_cluster: RayResource) -> None:
+        seen["options"] = ray_cluster.data_execution_options
+
+    options = {"data_execution_options": RayDataOptions(apply_on_connect=True)} if opt_in else {}
+    result = dg.materialize([uses_the_cluster], resources={"ray_cluster": _ray_cluster_resource(kind, **options)})
+    assert result.success
+    assert type(seen["options"]) is RayDataOptions
+    assert seen["options"].apply_on_connect is opt_in
+
+
+def test_ray_data_options_are_applied_only_when_asked_for(monkeypatch):
+    import ray
+    import ray.data
+
+    from resources.ray_cluster import RayDataOptions
+
+    context = ray.data.DataContext.get_current()
+    before = context.execution_options.resource_limits
+    try:
+        RayDataOptions(execution_options={"cpu": 1}).apply()
+        assert context.execution_options.resource_limits == before
+        RayDataOptions(execution_options={"cpu": 1}, apply_on_connect=True).apply()
+        assert context.execution_options.resource_limits.cpu == 1
+    finally:
+        context.execution_options.resource_limits = before
+
+    def no_remote_task(*args, **kwargs):
+        raise AssertionError("a remote task was submitted")
+
+    monkeypatch.setattr(ray, "remote", no_remote_task)
+    RayDataOptions().apply_remote()  # not applied: no task in a worker
+    with pytest.raises(AssertionError, match="remote task"):
+        RayDataOptions(apply_on_connect=True).apply_remote()
