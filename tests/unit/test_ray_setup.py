@@ -1,6 +1,7 @@
 """Ray set-up around a training run: `connect_for_training` (dagster-ray's create → wait →
 connect, run by the training asset only when it trains; a recording `RayResource` stands in for a
-cluster, for our ordering logic only), and Ray Train's defaults that Tessera changes."""
+cluster, for our ordering logic only), Ray Train's defaults that Tessera changes, and
+dagster-ray's Ray Data options, which Tessera's clusters apply on connect only when asked for."""
 
 from __future__ import annotations
 
