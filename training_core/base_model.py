@@ -1,18 +1,22 @@
 """Base models: the demo's tiny Llama built from a config, or any Hugging Face model directory /
-hub id. Both end as a directory `from_pretrained` can load, identified by a content digest."""
+hub id. Both end as a directory `from_pretrained` can load, identified by a content digest.
+
+torch, tokenizers and transformers are imported by the functions that use them: the Dagster code
+location imports this module for `BaseModelRef`, and importing transformers' Llama classes costs
+every Dagster process (code server, each run) seconds."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from training_core.errors import ModelNotFoundError
 from training_core.storage import directory_digest, publish_directory, staging_directory
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,9 @@ class BaseModelRef:
 
 def train_demo_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
     """A word-level tokenizer trained with `tokenizers` on the corpus (one token per letter)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = Tokenizer(models.WordLevel(unk_token=SPECIAL_TOKENS["unk_token"]))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     trainer = trainers.WordLevelTrainer(special_tokens=list(SPECIAL_TOKENS.values()))
@@ -53,6 +60,9 @@ def train_demo_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
 
 def build_demo_model(corpus: list[str], spec: TinyLlamaSpec, output_root: Path) -> BaseModelRef:
     """Train the tokenizer, build a randomly initialised tiny Llama, save both, publish by digest."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     tokenizer = train_demo_tokenizer(corpus)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -87,6 +97,8 @@ def build_demo_model(corpus: list[str], spec: TinyLlamaSpec, output_root: Path) 
 
 def resolve_pretrained(name_or_path: str) -> BaseModelRef:
     """Validate a local model directory or hub id by loading its config and tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
     path = Path(name_or_path)
     looks_local = path.is_absolute() or name_or_path.startswith((".", "~")) or path.exists()
     if looks_local and not (path / "config.json").is_file():
@@ -111,6 +123,8 @@ def resolve_pretrained(name_or_path: str) -> BaseModelRef:
 
 
 def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer.pad_token_id is None:
         # Common for Llama checkpoints: pad with eos; padded positions are masked in labels anyway.

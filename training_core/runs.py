@@ -1,6 +1,8 @@
 """A tracked training run: lineage record → MLflow run → Ray training → logged results.
 
-Used by the `lora_adapter` asset and by `tessera reproduce`, so both record runs the same way."""
+Used by the `lora_adapter` asset and by `tessera reproduce`, so both record runs the same way. The
+launcher (torch, transformers, DeepSpeed) is imported only when a run trains: the Dagster code
+location imports this module."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 from training_core.lineage import build_lineage_record
 from training_core.tracking import MlflowTracking
 from training_core.train.config import TrainingConfig
-from training_core.train.launcher import TrainingResult, run_training
+from training_core.train.result import TrainingResult
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,8 @@ def run_tracked_training(
         before_training()
     name = ray_run_name(inputs, config, run_name_suffix)
     run_id = tracking.start_run(name, tags={"method": config.method, **(extra_tags or {})})
+    from training_core.train.launcher import run_training
+
     try:
         result = run_training(
             config,

@@ -1,6 +1,8 @@
 """MLflow: one training run per `lora_adapter` materialization, with the full lineage record.
 
-Tracking in SQLite (MLflow 3.13+ rejects the file store), artifacts in a local folder."""
+Tracking in SQLite (MLflow 3.13+ rejects the file store), artifacts in a local folder. MLflow and
+the plotting stack are imported when a client is made, not with this module: the code location
+imports it, and every Dagster process (code server, each run) would pay ~2 s for them."""
 
 from __future__ import annotations
 
@@ -11,17 +13,13 @@ import time
 import warnings
 from pathlib import Path
 
-import mlflow
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.tracking import MlflowClient
-
-from training_core.plots import plot_loss_curve, plot_step_time
-
 log = logging.getLogger(__name__)
 
 
 class MlflowTracking:
     def __init__(self, tracking_uri: str, artifact_root: Path, experiment: str = "tessera"):
+        from mlflow.tracking import MlflowClient
+
         self.tracking_uri = tracking_uri
         self.client = MlflowClient(tracking_uri)
         existing = self.client.get_experiment_by_name(experiment)
@@ -35,6 +33,8 @@ class MlflowTracking:
         return self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
 
     def log_training(self, run_id: str, *, lineage: dict[str, str], config: dict, result, dataset_paths: list[str]) -> None:
+        from training_core.plots import plot_loss_curve, plot_step_time
+
         client = self.client
         numeric = {k: float(v) for k, v in result.telemetry.items() if isinstance(v, (int, float))}
         summary = {**numeric, "restarts": result.restarts, "steps": result.steps}
@@ -60,12 +60,13 @@ class MlflowTracking:
     def _log_dataset_input(self, run_id: str, dataset_path: str, digest: str) -> None:
         from mlflow.data.dataset_source_registry import resolve_dataset_source
         from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "source can be interpreted in multiple ways" is harmless
             source = resolve_dataset_source(dataset_path)
         dataset = MetaDataset(source=source, name="training_dataset", digest=digest[:36])
-        self.client.log_inputs(run_id, datasets=[mlflow.entities.DatasetInput(dataset._to_mlflow_entity())])
+        self.client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity())])
 
     def loss_history(self, run_id: str) -> list[tuple[int, float]]:
         """The run's train-loss curve as (step, loss), in step order."""
@@ -87,6 +88,8 @@ class MlflowTracking:
         """Params, single metrics (step 0), metric series ``(step, value)`` and tags in one
         ``log_batch`` (MLflow splits it to its per-request limits): a transaction per chunk instead
         of one SQLite round trip per value, which for a 1 000-step loss curve was 1 000 of them."""
+        from mlflow.entities import Metric, Param, RunTag
+
         now = int(time.time() * 1000)
         metric_list = [Metric(key, float(value), now, 0) for key, value in (metrics or {}).items()]
         for key, points in (series or {}).items():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from datetime import datetime, timezone
 
 import dagster as dg
@@ -43,3 +45,13 @@ def test_every_local_run_executes_its_steps_in_one_process():
     # step would re-import torch, transformers and Ray before each step.
     jobs = [defs.resolve_job_def("train_and_promote"), defs.resolve_implicit_global_asset_job_def()]
     assert [job.executor_def.name for job in jobs] == ["in_process", "in_process"]
+
+
+def test_loading_the_code_location_imports_no_ml_library():
+    """Every Dagster process loads the code location (the code server, each run, `dagster dev`
+    reloads): torch, transformers, MLflow and matplotlib are imported only by the work that uses
+    them, not by the definitions (they made loading it ~10 s)."""
+    heavy = ["torch", "transformers", "tokenizers", "peft", "deepspeed", "mlflow", "matplotlib", "ray.train"]
+    script = f"import sys, pipelines.definitions; print([m for m in {heavy!r} if m in sys.modules])"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr

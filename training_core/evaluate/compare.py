@@ -1,11 +1,14 @@
-"""Evaluate base vs trained (vs champion) models on a dataset's held-out split."""
+"""Evaluate base vs trained (vs champion) models on a dataset's held-out split.
+
+torch and transformers (`training_core.evaluate.metrics`) are imported when an evaluation runs:
+the Dagster code location imports this module for `EvaluationReport`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from training_core.base_model import load_tokenizer
-from training_core.evaluate.metrics import EvalMetrics, evaluate, load_model_for_eval
+from training_core.evaluate.results import EvalMetrics
 
 
 @dataclass(frozen=True)
@@ -27,11 +30,15 @@ class EvaluationReport:
 
 
 def evaluate_trained(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]], tokenizer=None) -> EvalMetrics:
+    from training_core.evaluate.metrics import evaluate, load_model_for_eval
+
     tokenizer = tokenizer or load_tokenizer(base_model_path)
     return evaluate(load_model_for_eval(base_model_path, trained_model_dir), tokenizer, records)
 
 
 def evaluate_against_base(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]]) -> tuple[EvalMetrics, EvalMetrics]:
+    from training_core.evaluate.metrics import evaluate, load_model_for_eval
+
     tokenizer = load_tokenizer(base_model_path)
     base = evaluate(load_model_for_eval(base_model_path), tokenizer, records)
     return base, evaluate_trained(base_model_path, trained_model_dir, records, tokenizer)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -11,17 +10,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from training_core.data.packing import tokenize_example
-
-
-@dataclass(frozen=True)
-class EvalMetrics:
-    loss: float
-    perplexity: float
-    exact_match: float
-    examples: int
-
-    def as_dict(self, prefix: str = "") -> dict[str, float]:
-        return {f"{prefix}{k}": v for k, v in asdict(self).items()}
+from training_core.evaluate.results import EvalMetrics
 
 
 def load_model_for_eval(base_model_path: str, trained_model_dir: str | None = None):

@@ -8,7 +8,6 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from training_core.train.checkpointing import MODEL_DIR, load_progress
@@ -16,21 +15,11 @@ from training_core.train.config import TrainingConfig
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.loop import WorkerInputs, train_loop_per_worker
 from training_core.train.ray_trainer import torch_trainer_class, use_quick_health_checks
+from training_core.train.result import TrainingResult
 
 log = logging.getLogger(__name__)
 
 FAULT_STEP_ENV = "TESSERA_FAULT_STEP"
-
-
-@dataclass(frozen=True)
-class TrainingResult:
-    run_name: str
-    model_dir: str  # adapter (lora/qlora) or full model, copied out of Ray storage
-    steps: int
-    restarts: int
-    loss_history: list[tuple[int, float]]
-    telemetry: dict
-    deepspeed_config: dict
 
 
 def run_training(

@@ -8,8 +8,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 # Dense bf16 peak FLOP/s per device, for MFU. CPU has no meaningful peak: report achieved FLOP/s.
 PEAK_FLOPS = {"a100": 312e12, "h100": 989e12, "h200": 989e12, "cpu": None}
 
@@ -87,6 +85,8 @@ class StartupClock:
 
 
 def peak_memory_mb() -> float:
+    import torch  # here, not at module level: the Dagster code location imports STEP_PHASES
+
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
