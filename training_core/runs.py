@@ -102,12 +102,14 @@ def run_tracked_training(
     if reuse_finished and (earlier := find_reusable_run(tracking, lineage)) is not None:
         log.info("inputs, config and code unchanged since MLflow run %s: reusing it", earlier.mlflow_run_id)
         return earlier
+    # Imported before `before_training` starts Ray: a fresh local Ray's own processes take most of
+    # both cores for seconds, and this import (torch, transformers, DeepSpeed) would wait behind them.
+    from training_core.train.launcher import run_training
+
     if before_training is not None:
         before_training()
     name = ray_run_name(inputs, config, run_name_suffix)
     run_id = tracking.start_run(name, tags={"method": config.method, **(extra_tags or {})})
-    from training_core.train.launcher import run_training
-
     try:
         result = run_training(
             config,
