@@ -19,7 +19,7 @@ class RayDataOptions(RayDataExecutionOptions):
     """dagster-ray's Ray Data execution options, applied on connect only when asked for.
 
     dagster-ray applies them on every connect: in the driver, and through a remote task in one Ray
-    worker, both importing `ray.data`. On two cores that added ~4.5 s to each training run's
+    worker, both importing `ray.data`. On two cores that added 6–9 s to each training run's
     connect (docs/training_benchmark.md). Tessera's training reads no Ray Dataset (its loader is the
     row-group reader), so by default nothing is applied."""
 
