@@ -8,6 +8,10 @@ export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 export DAGSTER_DISABLE_TELEMETRY ?= 1
 
+# `make test`: two pytest workers, one test file each at a time: a training test keeps one core busy while the
+# other core runs a `dagster dev` or `tessera demo` that is mostly importing and waiting.
+PYTEST_ARGS ?= -n 2 --dist loadfile
+
 .PHONY: install demo test test-fast ui bench-loader bench-train clean
 
 $(STAMP): pyproject.toml
@@ -22,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/tessera demo
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -ra
+	$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -ra -m "not integration and not e2e"

@@ -1,4 +1,11 @@
-"""Shared fixtures. Ray starts once per test session (it costs seconds), never per test."""
+"""Shared fixtures. Ray starts once per test process (it costs seconds), never per test.
+
+`make test` runs two pytest-xdist workers with `--dist loadfile`: while one runs a CPU-bound
+training test, the other's `dagster dev` or `tessera demo` subprocess is mostly importing and
+waiting. Each test file runs whole on one worker, so its module fixtures (a `dagster dev`, a
+two-node cluster) are built once and its tests keep their order; each worker that needs Ray starts
+its own local instance. (`--dist loadgroup` would keep every Ray test on one worker, but
+pytest-xdist 3.8 cannot rename items on pytest 9.2, so its groups are silently ignored.)"""
 
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ def ray_session():
 
     use_local_ray_defaults()  # one local node owned by this process, as the local code location runs it
     if not ray.is_initialized():
-        ray.init(num_cpus=2, logging_level="warning")
+        ray.init(address="local", num_cpus=2, logging_level="warning")  # never join a `ray start` cluster
     yield ray
     ray.shutdown()
 

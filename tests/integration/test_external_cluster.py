@@ -7,7 +7,9 @@ import os
 import signal
 import socket
 import subprocess
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,10 +60,12 @@ def _stop_cluster(temp_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_node_cluster(tmp_path_factory):
+def two_node_cluster():
     port = _free_port()
     env = {**os.environ, **CLUSTER_ENV}
-    temp_dir = tmp_path_factory.mktemp("ray-cluster")
+    # Short and directly under /tmp: Ray's AF_UNIX socket paths live below it, and a socket path
+    # over 107 bytes fails (pytest's per-worker base temp, ".../popen-gw1/...", is too deep).
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     try:
         _ray("start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
              f"--temp-dir={temp_dir}", "--disable-usage-stats", env=env)
@@ -69,6 +73,7 @@ def two_node_cluster(tmp_path_factory):
         yield f"127.0.0.1:{port}"
     finally:
         _stop_cluster(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _start_demo(home: Path, address: str, log: Path) -> subprocess.Popen:

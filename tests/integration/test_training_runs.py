@@ -105,10 +105,12 @@ def test_local_runs_start_no_cluster_service_actors(train):
     # The test session's Ray is local, as the local code location's (see tests/conftest.py): no
     # placement-group cleaner, no autoscaling coordinator. Ray Train's own actors still run, in
     # Ray's pooled worker processes: no runtime env of their own.
+    import ray
     from ray.util.state import list_actors
 
     train("lora-2w", _config())
-    actors = list_actors(limit=10_000, detail=True)
+    # This session's cluster by address: another pytest-xdist worker may run a Ray of its own.
+    actors = list_actors(address=ray.get_runtime_context().gcs_address, limit=10_000, detail=True)
     started = {actor.class_name for actor in actors}
     assert {"PooledProcessTrainController", "RayTrainWorker"} <= started
     assert not started & {"TrainController", "PlacementGroupCleaner", "_AutoscalingCoordinatorActor"}, started
