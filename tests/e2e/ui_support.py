@@ -361,8 +361,10 @@ def ensure_chromium() -> Path:
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         raise ChromiumUnavailable(f"{CHROMIUM} is missing and apt-get cannot install it (need root and apt-get)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "chromium"]  # with recommends: fonts for the screenshots
-    attempts = [install, ["apt-get", "update", "-q"], install]  # a fresh machine may have no package lists
+    # Wait for the dpkg lock: a fresh machine's own package jobs may hold it for a while.
+    apt_get = ["apt-get", "-o", "DPkg::Lock::Timeout=600"]
+    install = [*apt_get, "install", "-y", "-q", "chromium"]  # with recommends: fonts for the screenshots
+    attempts = [install, [*apt_get, "update", "-q"], install]  # a fresh machine may have no package lists
     output = ""
     for command in attempts:
         log.info("running %s", " ".join(command))
@@ -371,7 +373,7 @@ def ensure_chromium() -> Path:
         except subprocess.TimeoutExpired as error:
             raise ChromiumUnavailable(f"{' '.join(command)} timed out") from error
         output = result.stdout[-2000:] + result.stderr[-2000:]
-        if command[1] == "install" and result.returncode == 0 and CHROMIUM.exists():
+        if "install" in command and result.returncode == 0 and CHROMIUM.exists():
             return CHROMIUM
     raise ChromiumUnavailable(f"apt-get install chromium failed:\n{output}")
 
