@@ -16,9 +16,12 @@ steps and ``warmup + measured`` steps — and s/step is the difference of the tw
 run: Ray Train worker group start, imports, model load, ``deepspeed.initialize``, and at the end
 the final checkpoint/report and worker shutdown. Inputs live in the git-ignored bench/.data/.
 
-Two references make a noisy, shared 2-core machine readable: ``plain`` runs before and after the
-Tessera runs (their spread is the noise), and two plain loops run at once in separate processes
-(``ceiling_2_processes``: the most any 2-worker run could get at that moment), next to a
+The machine is noisy and shared (its speed drifts by ±10–30 % between minutes), so the whole set
+runs in alternating rounds (3; 1 with ``--quick``): each round runs ``plain``, two plain loops at
+once in separate processes (``ceiling_2_processes``: the most any 2-worker run could get at that
+moment) and every Tessera configuration, one after another. Ratios (overhead, scaling, ceiling)
+are taken within a round, between runs a minute apart, and the median round is reported; every
+round's figures are in ``rounds``. Next to them, a
 busy-loop probe of the CPU share two processes get (``machine.cpu_share_*``); those probes and
 the gloo latency probe live in :mod:`bench.machine_probes`. :mod:`bench.deepspeed_probe` runs the
 same DeepSpeed step in 1 and 2 processes started without Ray and times each collective
@@ -71,6 +74,7 @@ class Sizes:
 
 
 FULL, QUICK = Sizes(warmup_steps=5, measured_steps=60), Sizes(warmup_steps=2, measured_steps=12)
+ROUNDS, QUICK_ROUNDS = 3, 1
 
 # name → (TrainingConfig overrides). Every worker gets one CPU.
 TESSERA_CONFIGS: dict[str, dict[str, Any]] = {
@@ -271,6 +275,12 @@ def run_tessera(inputs: BenchInputs, name: str, sizes: Sizes, storage: Path, out
     }
 
 
+def _median_round(rounds: list[dict[str, dict]], name: str) -> dict:
+    """`name`'s run from the round with its median s/step (the upper one of an even count)."""
+    ordered = sorted(rounds, key=lambda r: r[name]["s_per_step"])
+    return ordered[len(ordered) // 2][name]
+
+
 # -- report -----------------------------------------------------------------------------------------
 def plot(result: dict, path: Path) -> None:
     import matplotlib
@@ -344,30 +354,36 @@ def run(output_dir: Path, quick: bool = False) -> dict:
     shutil.rmtree(storage, ignore_errors=True)
     machine = machine_info()
     machine["cpu_share_2_busy_processes_at_start"] = cpu_share_probe()
-    details: dict[str, dict] = {}
     errors: dict[str, str] = {}
     from training_core.train.ray_trainer import use_local_ray_defaults
 
     use_local_ray_defaults()  # in-process local Ray, as the local code location runs it
     if not ray.is_initialized():
         ray.init(num_cpus=2, logging_level="warning")
+    rounds: list[dict[str, dict]] = []
     try:
-        logger.info("plain PyTorch + PEFT, %d + %d steps", sizes.warmup_steps, sizes.measured_steps)
-        details["plain"] = run_plain(inputs, sizes)
-        logger.info("two plain loops at once (the machine's 2-process ceiling)")
-        details["plain_2_processes"] = {"runs": run_plain_subprocesses(sizes)}
-        for name in TESSERA_CONFIGS:
-            logger.info("%s: %d and %d steps", name, sizes.warmup_steps, sizes.warmup_steps + sizes.measured_steps)
-            try:
-                details[name] = run_tessera(inputs, name, sizes, storage, trained)
-            except Exception as error:  # one broken configuration must not hide the others' numbers
-                logger.exception("%s failed", name)
-                errors[name] = f"{type(error).__name__}: {error}"[:2000]
-        # Again at the end: the spread of the two plain runs is the noise floor of this machine.
-        details["plain_repeat"] = run_plain(inputs, sizes)
+        for index in range(QUICK_ROUNDS if quick else ROUNDS):
+            logger.info("round %d: plain PyTorch + PEFT, %d + %d steps", index + 1, sizes.warmup_steps,
+                        sizes.measured_steps)
+            this_round: dict[str, dict] = {"plain": run_plain(inputs, sizes)}
+            logger.info("round %d: two plain loops at once (the machine's 2-process ceiling)", index + 1)
+            this_round["plain_2_processes"] = {"runs": run_plain_subprocesses(sizes)}
+            for name in TESSERA_CONFIGS:
+                if name in errors:
+                    continue
+                logger.info("round %d: %s, %d and %d steps", index + 1, name, sizes.warmup_steps,
+                            sizes.warmup_steps + sizes.measured_steps)
+                try:
+                    this_round[name] = run_tessera(inputs, name, sizes, storage, trained)
+                except Exception as error:  # one broken configuration must not hide the others' numbers
+                    logger.exception("%s failed", name)
+                    errors[name] = f"{type(error).__name__}: {error}"[:2000]
+            rounds.append(this_round)
     finally:
         ray.shutdown()
     machine["cpu_share_2_busy_processes_at_end"] = cpu_share_probe()
+    measured = [name for name in TESSERA_CONFIGS if all(name in r for r in rounds)]
+    details = {name: _median_round(rounds, name) for name in ["plain", *measured]}
     trainable = details.get("tessera_1w_zero2", {}).get("telemetry", {}).get("trainable_parameters")
     machine["gloo_2_processes"] = gloo_latency_probe(int(trainable or 69632))
     try:  # the same DeepSpeed step in processes started without Ray (bench/deepspeed_probe.py)
@@ -377,56 +393,77 @@ def run(output_dir: Path, quick: bool = False) -> dict:
         errors["deepspeed_without_ray"] = f"{type(error).__name__}: {error}"[:2000]
     machine["load_average_1m_at_end"] = os.getloadavg()[0]
 
-    plain_runs = [details["plain"]["s_per_step"], details["plain_repeat"]["s_per_step"]]
-    s_per_step = {"plain": float(np.mean(plain_runs)), **{n: details[n]["s_per_step"] for n in TESSERA_CONFIGS
-                                                           if n in details}}
-    workers = {"plain": 1, **{n: TESSERA_CONFIGS[n]["num_workers"] for n in TESSERA_CONFIGS}}
-    samples_per_s = {n: MICRO_BATCH * workers[n] / s for n, s in s_per_step.items()}
-    plain_cpu = [details["plain"]["cpu_s_per_step"], details["plain_repeat"]["cpu_s_per_step"]]
-    cpu_s_per_step = {"plain": float(np.mean(plain_cpu)),
-                      **{n: details[n]["cpu_s_per_step"] for n in TESSERA_CONFIGS if n in details}}
-    ceiling_runs = details["plain_2_processes"]["runs"]
-    ceiling_samples_per_s = sum(MICRO_BATCH / run_["s_per_step"] for run_ in ceiling_runs)
+    def median_of(values: list[float]) -> float:
+        return float(np.median(values))
 
-    def ratio(a: str, b: str, table: dict) -> float | None:
-        return table[a] / table[b] if a in table and b in table else None
+    def per_round(name: str, key: str) -> list[float]:
+        return [r[name][key] for r in rounds]
+
+    workers = {"plain": 1, **{n: TESSERA_CONFIGS[n]["num_workers"] for n in TESSERA_CONFIGS}}
+    s_per_step = {n: median_of(per_round(n, "s_per_step")) for n in ["plain", *measured]}
+    samples_per_s = {n: MICRO_BATCH * workers[n] / s for n, s in s_per_step.items()}
+    cpu_s_per_step = {n: median_of(per_round(n, "cpu_s_per_step")) for n in ["plain", *measured]}
+    ceilings = [sum(MICRO_BATCH / run_["s_per_step"] for run_ in r["plain_2_processes"]["runs"]) for r in rounds]
+    ceiling_scaling = [c * r["plain"]["s_per_step"] / MICRO_BATCH for c, r in zip(ceilings, rounds)]
+
+    def ratio_per_round(a: str, b: str, key: str, samples: bool = False) -> list[float] | None:
+        """`a` over `b` within each round (in samples/s when `samples`, else in `key`)."""
+        if a not in s_per_step or b not in s_per_step:
+            return None
+        if samples:  # samples/s = micro batch × workers / s per step
+            return [workers[a] * r[b][key] / (workers[b] * r[a][key]) for r in rounds]
+        return [r[a][key] / r[b][key] for r in rounds]
+
+    overhead = ratio_per_round("tessera_1w_zero2", "plain", "s_per_step")
+    overhead_cpu = ratio_per_round("tessera_1w_zero2", "plain", "cpu_s_per_step")
+    scaling = ratio_per_round("tessera_2w_zero2", "tessera_1w_zero2", "s_per_step", samples=True)
 
     result = {
         "s_per_step": s_per_step,
         "cpu_s_per_step": cpu_s_per_step,
         "samples_per_s": samples_per_s,
-        "overhead_ratio_1_worker": ratio("tessera_1w_zero2", "plain", s_per_step),
+        "overhead_ratio_1_worker": median_of(overhead) if overhead else None,
         # diagnostic, not the target: the same ratio in the step thread's CPU time (see run_tessera)
-        "overhead_ratio_1_worker_cpu": ratio("tessera_1w_zero2", "plain", cpu_s_per_step),
-        "scaling_2_vs_1": ratio("tessera_2w_zero2", "tessera_1w_zero2", samples_per_s),
-        "startup_s": {n: details[n]["startup_s"] for n in TESSERA_CONFIGS if n in details},
+        "overhead_ratio_1_worker_cpu": median_of(overhead_cpu) if overhead_cpu else None,
+        "scaling_2_vs_1": median_of(scaling) if scaling else None,
+        "startup_s": {n: median_of(per_round(n, "startup_s")) for n in measured},
         "targets": {"overhead_ratio_1_worker_max": 1.15, "scaling_2_vs_1_min": 1.8, "startup_s_max": 10.0},
         "ceiling_2_processes": {
-            "samples_per_s": ceiling_samples_per_s,
-            "scaling_vs_plain": ceiling_samples_per_s / samples_per_s["plain"],
-            "s_per_step": [run_["s_per_step"] for run_ in ceiling_runs],
+            "samples_per_s": median_of(ceilings),
+            "scaling_vs_plain": median_of(ceiling_scaling),
+            "s_per_step": [run_["s_per_step"] for r in rounds for run_ in r["plain_2_processes"]["runs"]],
         },
-        "plain_s_per_step_runs": plain_runs,
-        "phases_s_per_step": {n: details[n]["phases_s_per_step"] for n in TESSERA_CONFIGS if n in details},
-        "blocked_s_per_step": {n: details[n]["blocked_s_per_step"] for n in TESSERA_CONFIGS if n in details},
-        "startup_split_s": {n: details[n]["startup_split_s"] for n in TESSERA_CONFIGS if n in details},
+        "rounds": {
+            "s_per_step": {n: per_round(n, "s_per_step") for n in ["plain", *measured]},
+            "startup_s": {n: per_round(n, "startup_s") for n in measured},
+            "overhead_ratio_1_worker": overhead, "overhead_ratio_1_worker_cpu": overhead_cpu,
+            "scaling_2_vs_1": scaling, "ceiling_scaling_vs_plain": ceiling_scaling,
+        },
+        "plain_s_per_step_runs": per_round("plain", "s_per_step"),
+        "phases_s_per_step": {n: details[n]["phases_s_per_step"] for n in measured},
+        "blocked_s_per_step": {n: details[n]["blocked_s_per_step"] for n in measured},
+        "startup_split_s": {n: details[n]["startup_split_s"] for n in measured},
         "errors": errors,
         "setup": {"layers": LAYERS, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "heads": HEADS, "vocab": VOCAB,
                   "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "lora_r": LORA_R,
                   "warmup_steps": sizes.warmup_steps, "measured_steps": sizes.measured_steps,
                   "cpus_per_worker": 1, "ray_num_cpus": 2, "train_rows": inputs.train_rows, "quick": quick,
                   "ray_train_preemption_watcher": os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"),
+                  "rounds": len(rounds),
                   "method": "Tessera s/step = (loop_s(warmup+measured) - loop_s(warmup)) / measured from the "
                             "workers' telemetry (it has no per-step times); start-up = run_training wall - "
-                            "loop_s of the longer run; plain = mean of two in-process runs (before and after)"},
+                            "loop_s of the longer run; every figure is the median over alternating rounds "
+                            "(plain, 2 plain processes, each Tessera configuration), ratios taken within a "
+                            "round; details = each configuration's median round"},
         "machine": machine,
         "details": {n: {k: v for k, v in d.items() if k != "loss_history"} for n, d in details.items()},
     }
-    if "tessera_1w_zero2" in details:
-        plain_losses = [loss for _, loss in details["plain"]["loss_history"]]
-        tessera_losses = [loss for _, loss in details["tessera_1w_zero2"]["loss_history"]]
+    if "tessera_1w_zero2" in measured:
         # Same init, batches, schedule and clipping: the curves agree, so both loops do the same work.
-        result["max_abs_loss_diff_plain_vs_1w"] = float(np.max(np.abs(np.subtract(plain_losses, tessera_losses))))
+        result["max_abs_loss_diff_plain_vs_1w"] = max(
+            float(np.max(np.abs(np.subtract([loss for _, loss in r["plain"]["loss_history"]],
+                                            [loss for _, loss in r["tessera_1w_zero2"]["loss_history"]]))))
+            for r in rounds)
     (output_dir / "training.json").write_text(json.dumps(result, indent=2, default=float))
     plot(result, output_dir / "training.png")
     return result
