@@ -4,10 +4,10 @@ mid-training and relaunched: the second Dagster run resumes from the last checkp
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
-import shutil
 import sys
 import tempfile
 import time
