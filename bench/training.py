@@ -393,39 +393,40 @@ def run(output_dir: Path, quick: bool = False) -> dict:
         errors["deepspeed_without_ray"] = f"{type(error).__name__}: {error}"[:2000]
     machine["load_average_1m_at_end"] = os.getloadavg()[0]
 
-    def median_of(values: list[float]) -> float:
-        return float(np.median(values))
+    def median_of(values: list[float] | None) -> float | None:
+        return float(np.median(values)) if values else None
 
     def per_round(name: str, key: str) -> list[float]:
         return [r[name][key] for r in rounds]
 
     workers = {"plain": 1, **{n: TESSERA_CONFIGS[n]["num_workers"] for n in TESSERA_CONFIGS}}
+
+    def samples(r: dict, name: str) -> float:  # samples/s of `name` in round `r`, all workers
+        return MICRO_BATCH * workers[name] / r[name]["s_per_step"]
+
+    def ratios(a: str, b: str, value) -> list[float] | None:
+        """value(round, a) / value(round, b) within each round; None when either was not measured."""
+        if not {a, b} <= {"plain", *measured}:
+            return None
+        return [value(r, a) / value(r, b) for r in rounds]
+
     s_per_step = {n: median_of(per_round(n, "s_per_step")) for n in ["plain", *measured]}
     samples_per_s = {n: MICRO_BATCH * workers[n] / s for n, s in s_per_step.items()}
     cpu_s_per_step = {n: median_of(per_round(n, "cpu_s_per_step")) for n in ["plain", *measured]}
     ceilings = [sum(MICRO_BATCH / run_["s_per_step"] for run_ in r["plain_2_processes"]["runs"]) for r in rounds]
-    ceiling_scaling = [c * r["plain"]["s_per_step"] / MICRO_BATCH for c, r in zip(ceilings, rounds)]
-
-    def ratio_per_round(a: str, b: str, key: str, samples: bool = False) -> list[float] | None:
-        """`a` over `b` within each round (in samples/s when `samples`, else in `key`)."""
-        if a not in s_per_step or b not in s_per_step:
-            return None
-        if samples:  # samples/s = micro batch × workers / s per step
-            return [workers[a] * r[b][key] / (workers[b] * r[a][key]) for r in rounds]
-        return [r[a][key] / r[b][key] for r in rounds]
-
-    overhead = ratio_per_round("tessera_1w_zero2", "plain", "s_per_step")
-    overhead_cpu = ratio_per_round("tessera_1w_zero2", "plain", "cpu_s_per_step")
-    scaling = ratio_per_round("tessera_2w_zero2", "tessera_1w_zero2", "s_per_step", samples=True)
+    ceiling_scaling = [c / samples(r, "plain") for c, r in zip(ceilings, rounds)]
+    overhead = ratios("tessera_1w_zero2", "plain", lambda r, n: r[n]["s_per_step"])
+    overhead_cpu = ratios("tessera_1w_zero2", "plain", lambda r, n: r[n]["cpu_s_per_step"])
+    scaling = ratios("tessera_2w_zero2", "tessera_1w_zero2", samples)
 
     result = {
         "s_per_step": s_per_step,
         "cpu_s_per_step": cpu_s_per_step,
         "samples_per_s": samples_per_s,
-        "overhead_ratio_1_worker": median_of(overhead) if overhead else None,
+        "overhead_ratio_1_worker": median_of(overhead),
         # diagnostic, not the target: the same ratio in the step thread's CPU time (see run_tessera)
-        "overhead_ratio_1_worker_cpu": median_of(overhead_cpu) if overhead_cpu else None,
-        "scaling_2_vs_1": median_of(scaling) if scaling else None,
+        "overhead_ratio_1_worker_cpu": median_of(overhead_cpu),
+        "scaling_2_vs_1": median_of(scaling),
         "startup_s": {n: median_of(per_round(n, "startup_s")) for n in measured},
         "targets": {"overhead_ratio_1_worker_max": 1.15, "scaling_2_vs_1_min": 1.8, "startup_s_max": 10.0},
         "ceiling_2_processes": {
@@ -459,11 +460,12 @@ def run(output_dir: Path, quick: bool = False) -> dict:
         "details": {n: {k: v for k, v in d.items() if k != "loss_history"} for n, d in details.items()},
     }
     if "tessera_1w_zero2" in measured:
+        def losses(run_: dict) -> list[float]:
+            return [loss for _, loss in run_["loss_history"]]
+
         # Same init, batches, schedule and clipping: the curves agree, so both loops do the same work.
         result["max_abs_loss_diff_plain_vs_1w"] = max(
-            float(np.max(np.abs(np.subtract([loss for _, loss in r["plain"]["loss_history"]],
-                                            [loss for _, loss in r["tessera_1w_zero2"]["loss_history"]]))))
-            for r in rounds)
+            float(np.max(np.abs(np.subtract(losses(r["plain"]), losses(r["tessera_1w_zero2"]))))) for r in rounds)
     (output_dir / "training.json").write_text(json.dumps(result, indent=2, default=float))
     plot(result, output_dir / "training.png")
     return result
