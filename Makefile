@@ -8,8 +8,8 @@ export TOKENIZERS_PARALLELISM ?= false
 export RAY_USAGE_STATS_ENABLED ?= 0
 export DAGSTER_DISABLE_TELEMETRY ?= 1
 
-# `make test`: two pytest workers, one test file each at a time: a training test keeps one core busy while the
-# other core runs a `dagster dev` or `tessera demo` that is mostly importing and waiting.
+# `make test`: two pytest workers, one test file each at a time. A training test keeps one core
+# busy while the other runs a `dagster dev` or `tessera demo` that is mostly importing and waiting.
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
 .PHONY: install demo test test-fast ui bench-loader bench-train clean
