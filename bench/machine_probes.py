@@ -48,7 +48,13 @@ def machine_info() -> dict:
 def measure_gloo(rank: int, port: int, elements: int, repeats: int = 500) -> dict:
     """Microseconds per gloo collective between two single-threaded processes on this machine, for
     the sizes a ZeRO-2 LoRA step sends: the gradient all-reduce, the grad-norm all-reduce (1
-    element) and the parameter all-gather. Their sum is the floor a 2-worker step pays over 1."""
+    element) and the parameter all-gather. Their sum is the floor a 2-worker step pays over 1.
+
+    Beside them, the same bytes exchanged over a plain loopback TCP socket (send ours, receive
+    theirs, as a 2-rank all-reduce must): what the machine itself needs for that traffic, so the
+    rest of a collective's time is gloo's own work and thread hand-offs."""
+    import socket
+
     import torch
     import torch.distributed as dist
 
@@ -56,22 +62,49 @@ def measure_gloo(rank: int, port: int, elements: int, repeats: int = 500) -> dic
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     gradient, norm = torch.zeros(elements), torch.zeros(1)
     gathered, shard = torch.zeros(elements), torch.zeros(elements // 2)
-    operations = {
+    collectives = {
         "all_reduce_gradients": lambda: dist.all_reduce(gradient),
         "all_reduce_norm": lambda: dist.all_reduce(norm),
         "all_gather_parameters": lambda: dist.all_gather_into_tensor(gathered, shard),
     }
-    result = {}
-    for name, operation in operations.items():
-        for _ in range(20):
-            operation()
-        started = time.perf_counter()
-        for _ in range(repeats):
-            operation()
-        result[name] = 1e6 * (time.perf_counter() - started) / repeats
+    result: dict = {"collectives": {name: _time_us(operation, repeats) for name, operation in collectives.items()}}
+
+    # The TCP baseline: rank 0 listens on port + 1; ranks alternate who sends first.
+    if rank == 0:
+        listener = socket.create_server(("127.0.0.1", port + 1))
+        dist.barrier()
+        connection = listener.accept()[0]
+        listener.close()
+    else:
+        dist.barrier()
+        connection = socket.create_connection(("127.0.0.1", port + 1), timeout=60)
+    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def exchange(payload: bytearray) -> None:
+        incoming, received = memoryview(bytearray(len(payload))), 0
+        if rank == 0:
+            connection.sendall(payload)
+        while received < len(payload):
+            received += connection.recv_into(incoming[received:])
+        if rank == 1:
+            connection.sendall(payload)
+
+    gradient_bytes, one_element = bytearray(4 * elements), bytearray(4)
+    result["tcp_exchange"] = {"gradients": _time_us(lambda: exchange(gradient_bytes), repeats),
+                              "one_element": _time_us(lambda: exchange(one_element), repeats)}
+    connection.close()
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _time_us(operation, repeats: int) -> float:
+    for _ in range(20):
+        operation()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        operation()
+    return 1e6 * (time.perf_counter() - started) / repeats
 
 
 def run_rank_processes(arguments: list[str], world: int, what: str, timeout_s: float = 600) -> list[dict]:
@@ -91,9 +124,10 @@ def run_rank_processes(arguments: list[str], world: int, what: str, timeout_s: f
 def gloo_latency_probe(elements: int) -> dict:
     port = 29000 + os.getpid() % 1000
     arguments = ["bench.machine_probes", "--measure-gloo", f"--gloo-port={port}", f"--gloo-elements={elements}"]
-    microseconds = run_rank_processes(arguments, 2, "gloo latency probe", timeout_s=300)[0]
-    return {"elements": elements, "us_per_collective": microseconds,
-            "us_per_zero2_step": sum(microseconds.values())}
+    measured = run_rank_processes(arguments, 2, "gloo latency probe", timeout_s=300)[0]
+    return {"elements": elements, "us_per_collective": measured["collectives"],
+            "us_per_zero2_step": sum(measured["collectives"].values()),
+            "us_per_tcp_exchange": measured["tcp_exchange"]}
 
 
 def _burn(seconds: float) -> float:
