@@ -117,3 +117,44 @@ def test_gpu_only_features_rejected_without_gpu(values, message):
     config = TrainingConfig(**values)
     with pytest.raises(ConfigError, match=message):
         config.check_hardware(gpu_available=False)
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    (None, "default"), ("", "default"), ("1", True), ("TRUE", True), (" yes ", True), ("on", True),
+    ("0", False), ("false", False), ("No", False), ("off", False),
+])
+def test_tessera_switches_read_the_same_words_the_same_way(monkeypatch, value, expected):
+    from training_core.train.ray_trainer import CLUSTER_SERVICES_ENV, POOLED_PROCESSES_ENV, env_switch
+
+    for name, default in ((CLUSTER_SERVICES_ENV, True), (POOLED_PROCESSES_ENV, False)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        assert env_switch(name, default) is (default if expected == "default" else expected)
+
+
+def test_a_misspelt_switch_is_refused_with_its_name(monkeypatch):
+    from training_core.train.ray_trainer import POOLED_PROCESSES_ENV, env_switch
+
+    monkeypatch.setenv(POOLED_PROCESSES_ENV, "ture")
+    with pytest.raises(ConfigError, match=f"{POOLED_PROCESSES_ENV}='ture': expected 1 or 0"):
+        env_switch(POOLED_PROCESSES_ENV, default=False)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5"])
+def test_a_fault_step_that_is_not_a_step_number_is_refused(monkeypatch, value):
+    from training_core.train.launcher import FAULT_STEP_ENV, fault_step_from_env
+
+    monkeypatch.setenv(FAULT_STEP_ENV, value)
+    with pytest.raises(ConfigError, match=f"TESSERA_FAULT_STEP='{value}': expected a training step number"):
+        fault_step_from_env()
+
+
+def test_fault_step_parses_and_is_off_when_unset(monkeypatch):
+    from training_core.train.launcher import FAULT_STEP_ENV, fault_step_from_env
+
+    monkeypatch.setenv(FAULT_STEP_ENV, " 12 ")
+    assert fault_step_from_env() == 12
+    monkeypatch.delenv(FAULT_STEP_ENV)
+    assert fault_step_from_env() is None

@@ -10,6 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
+from training_core.errors import ConfigError
 from training_core.train.checkpointing import MODEL_DIR, load_progress
 from training_core.train.config import TrainingConfig
 from training_core.train.deepspeed_config import build_deepspeed_config
@@ -20,6 +21,17 @@ from training_core.train.result import TrainingResult
 log = logging.getLogger(__name__)
 
 FAULT_STEP_ENV = "TESSERA_FAULT_STEP"
+
+
+def fault_step_from_env() -> int | None:
+    """The chaos hook's step (``TESSERA_FAULT_STEP=N``: kill one worker once at step N), or None
+    when unset or empty; anything but a whole number ≥ 1 is refused before any worker starts."""
+    raw = os.environ.get(FAULT_STEP_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"{FAULT_STEP_ENV}={raw!r}: expected a training step number ≥ 1")
+    return int(raw)
 
 
 def run_training(
@@ -38,14 +50,14 @@ def run_training(
     import ray.train
     from ray.train.torch import TorchConfig
 
-    fault_step = os.environ.get(FAULT_STEP_ENV)
+    fault_step = fault_step_from_env()
     inputs = WorkerInputs(
         config=config.model_dump(mode="json"),
         model_path=model_path,
         train_dirs=list(train_dirs),
         cache_dir=cache_dir,
         seq_len=seq_len,
-        fault_step=int(fault_step) if fault_step else None,
+        fault_step=fault_step,
         fault_marker=str(storage_path / run_name / "fault-injected") if fault_step else None,
         run_directory=str(storage_path / run_name),
         launched_at=time.time(),

@@ -9,6 +9,8 @@ import os
 import threading
 from typing import Callable
 
+from training_core.errors import ConfigError
+
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 # Tessera's own switches (Ray has none): read by `torch_trainer_class()`'s trainers when they start.
 CLUSTER_SERVICES_ENV = "TESSERA_RAY_TRAIN_CLUSTER_SERVICES"
@@ -67,12 +69,29 @@ def use_local_ray_defaults() -> None:
     use_pooled_worker_processes(True)
 
 
+_SWITCH_VALUES = {"1": True, "true": True, "yes": True, "on": True,
+                  "0": False, "false": False, "no": False, "off": False}
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off setting from the environment: unset or empty gives ``default``; 1/0, true/false,
+    yes/no, on/off in any case; anything else is refused, naming the variable, before a trainer
+    starts (a typo must not silently pick one of the two behaviours)."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    try:
+        return _SWITCH_VALUES[raw.strip().lower()]
+    except KeyError:
+        raise ConfigError(f"{name}={raw!r}: expected 1 or 0 (or true/false, yes/no, on/off)") from None
+
+
 def _cluster_services_enabled() -> bool:
-    return os.environ.get(CLUSTER_SERVICES_ENV) != "0"
+    return env_switch(CLUSTER_SERVICES_ENV, default=True)  # Ray's default
 
 
 def _pooled_processes_enabled() -> bool:
-    return os.environ.get(POOLED_PROCESSES_ENV) == "1"
+    return env_switch(POOLED_PROCESSES_ENV, default=False)  # Ray's default
 
 
 def use_quick_health_checks() -> None:
