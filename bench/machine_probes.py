@@ -69,7 +69,7 @@ def measure_gloo(rank: int, port: int, elements: int, repeats: int = 500) -> dic
     }
     result: dict = {"collectives": {name: _time_us(operation, repeats) for name, operation in collectives.items()}}
 
-    # The TCP baseline: rank 0 listens on port + 1; ranks alternate who sends first.
+    # The TCP baseline: rank 0 listens on port + 1, sends its bytes and waits for rank 1's.
     if rank == 0:
         listener = socket.create_server(("127.0.0.1", port + 1))
         dist.barrier()

@@ -142,7 +142,7 @@ def test_a_misspelt_switch_is_refused_with_its_name(monkeypatch):
         env_switch(POOLED_PROCESSES_ENV, default=False)
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5"])
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5", "²"])
 def test_a_fault_step_that_is_not_a_step_number_is_refused(monkeypatch, value):
     from training_core.train.launcher import FAULT_STEP_ENV, fault_step_from_env
 

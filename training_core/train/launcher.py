@@ -29,9 +29,13 @@ def fault_step_from_env() -> int | None:
     raw = os.environ.get(FAULT_STEP_ENV, "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or int(raw) < 1:
+    try:
+        step = int(raw)
+    except ValueError:
+        step = 0
+    if step < 1:
         raise ConfigError(f"{FAULT_STEP_ENV}={raw!r}: expected a training step number ≥ 1")
-    return int(raw)
+    return step
 
 
 def run_training(
