@@ -49,6 +49,60 @@ def test_csv_and_parquet_sources_read(tmp_path):
     assert read_records(tmp_path) == [{"prompt": "hello", "response": "world"}, {"prompt": "x", "response": "y"}]
 
 
+def test_excel_csv_with_a_byte_order_mark_and_a_multi_line_field_reads(tmp_path):
+    (tmp_path / "excel.csv").write_bytes(b'\xef\xbb\xbfprompt,response\r\n"two\r\nlines",ok\r\nx,y\r\n')
+    assert read_records(tmp_path / "excel.csv") == [{"prompt": "two\r\nlines", "response": "ok"},
+                                                    {"prompt": "x", "response": "y"}]
+
+
+def test_csv_errors_name_the_line_the_row_starts_on(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text('prompt,response\n"spans\nthree\nlines",ok\n\nbad,\n')
+    with pytest.raises(SourceDataError, match=r"line 6 of .*a\.csv: field 'response' must be a non-empty string"):
+        read_records(path)
+    path.write_text('prompt,response\nfine,row\n"never closed,x\n')
+    with pytest.raises(SourceDataError, match=r"line 3 of .*a\.csv: malformed CSV \(unexpected end of data\)"):
+        read_records(path)
+    path.write_text("question;answer\nq;a\n")
+    with pytest.raises(SourceDataError, match=r"header lacks column\(s\) \['prompt', 'response'\]; it has \['question;answer'\]"):
+        read_records(path)
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", "a.csv"])
+def test_bytes_that_are_not_utf8_are_named_by_line_and_column(tmp_path, name):
+    good = b'{"prompt": "p", "response": "r"}\n' if name.endswith("jsonl") else b"prompt,response\np,r\n"
+    bad = b'{"prompt": "caf\xe9", "response": "r"}\n' if name.endswith("jsonl") else b"caf\xe9,r\n"
+    before = good + good.splitlines(keepends=True)[-1] * 3
+    (tmp_path / name).write_bytes(before + bad)
+    line, column = before.count(b"\n") + 1, bad.index(b"\xe9") + 1
+    with pytest.raises(SourceDataError, match=rf"line {line} of .*{name}: not UTF-8 \(byte 0xe9 at column {column}\)"):
+        read_records(tmp_path / name)
+
+
+def test_a_json_file_may_hold_one_array_of_records(tmp_path):
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps([{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}], indent=2))
+    assert read_records(path) == [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]
+    path.write_text(json.dumps([{"prompt": "a", "response": "b"}, {"prompt": "c"}], indent=2))
+    with pytest.raises(SourceDataError, match=r"item 1 \(0-based\) of the JSON array in .*records\.json: missing field 'response'"):
+        read_records(path)
+    path.write_text('{\n  "prompt": "a",\n  "response": "b"\n}\n')  # one pretty-printed object
+    with pytest.raises(SourceDataError, match=r"line 1 of .*records\.json: not valid JSON .*one object per line, or one JSON array"):
+        read_records(path)
+
+
+def test_suffixes_match_in_any_case_and_an_unknown_one_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "UPPER.JSONL").write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n")
+    assert read_records(tmp_path / "data") == [{"prompt": "p", "response": "r"}]
+    assert read_records(tmp_path / "data" / "UPPER.JSONL") == [{"prompt": "p", "response": "r"}]
+    (tmp_path / "notes.txt").write_text("prompt,response\n")
+    with pytest.raises(SourceDataError, match=r"notes\.txt: unsupported file type '\.txt'; expected one of \.jsonl/"):
+        read_records(tmp_path / "notes.txt")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert read_records("~/data") == [{"prompt": "p", "response": "r"}]
+
+
 def test_parquet_row_with_null_field_names_row(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

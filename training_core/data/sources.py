@@ -1,12 +1,14 @@
 """Reading instruction records (`prompt`, `response`) from JSONL, CSV or Parquet files.
 
 Every malformed record raises `SourceDataError` naming the file and line (JSONL/CSV: 1-based line
-number; Parquet: 0-based row index), so the fix is one edit away.
+number, where the row starts; a `.json` array: 0-based item; Parquet: 0-based row index), so the
+fix is one edit away. Text files must be UTF-8 (a byte-order mark is allowed).
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,21 +22,40 @@ SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
 def list_source_files(source: str | Path) -> list[Path]:
-    """The data files at `source` (a file or a directory searched recursively), sorted."""
-    path = Path(source)
+    """The data files at `source` (a file or a directory searched recursively), sorted. Suffixes
+    match in any case (`A.JSONL`); a file given directly must have one of them."""
+    path = Path(source).expanduser()
     if not path.exists():
         raise SourceDataError(f"source path {path} does not exist")
     if path.is_file():
+        if path.suffix.lower() not in SUPPORTED_SUFFIXES:
+            raise SourceDataError(f"{path}: unsupported file type {path.suffix or '(no suffix)'!r}; "
+                                  f"expected one of {'/'.join(SUPPORTED_SUFFIXES)}")
         files = [path]
     else:
         files = sorted(
             p
             for p in path.rglob("*")
-            if p.is_file() and p.suffix in SUPPORTED_SUFFIXES and not p.name.startswith((".", "_"))
+            if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES and not p.name.startswith((".", "_"))
         )
     if not files:
         raise SourceDataError(f"no {'/'.join(SUPPORTED_SUFFIXES)} files under {path}")
     return files
+
+
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text (a leading byte-order mark, as Excel writes, is dropped); bytes that
+    are not UTF-8 are refused with their line and column."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line_start = data.rfind(b"\n", 0, error.start) + 1
+        line = data.count(b"\n", 0, error.start) + 1
+        raise SourceDataError(
+            f"line {line} of {path}: not UTF-8 (byte 0x{data[error.start]:02x} at column {error.start - line_start + 1}); "
+            "save the file as UTF-8"
+        ) from error
 
 
 def _validated(record: object, where: str) -> dict[str, str]:
@@ -52,25 +73,50 @@ def _validated(record: object, where: str) -> dict[str, str]:
 
 
 def _read_jsonl(path: Path) -> Iterator[dict[str, str]]:
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise SourceDataError(f"line {line_number} of {path}: not valid JSON ({error.msg})") from error
-            yield _validated(record, f"line {line_number} of {path}")
+    text = _read_text(path)
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        yield from _read_json_array(path, text)
+        return
+    for line_number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): U+2028 may sit in a string
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            hint = " (.json files hold JSON Lines, one object per line, or one JSON array)" if path.suffix.lower() == ".json" else ""
+            raise SourceDataError(f"line {line_number} of {path}: not valid JSON ({error.msg}){hint}") from error
+        yield _validated(record, f"line {line_number} of {path}")
+
+
+def _read_json_array(path: Path, text: str) -> Iterator[dict[str, str]]:
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SourceDataError(f"line {error.lineno} of {path}: not valid JSON ({error.msg})") from error
+    for index, item in enumerate(items):
+        yield _validated(item, f"item {index} (0-based) of the JSON array in {path}")
 
 
 def _read_csv(path: Path) -> Iterator[dict[str, str]]:
-    with path.open(encoding="utf-8", newline="") as handle:
-        reader = csv.DictReader(handle)
-        missing = [f for f in REQUIRED_FIELDS if f not in (reader.fieldnames or [])]
-        if missing:
-            raise SourceDataError(f"{path}: header lacks column(s) {missing}")
-        for line_number, row in enumerate(reader, start=2):
-            yield _validated(row, f"line {line_number} of {path}")
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True)
+    try:
+        header = next(reader, [])
+    except csv.Error as error:
+        raise SourceDataError(f"line 1 of {path}: malformed CSV header ({error})") from error
+    missing = [f for f in REQUIRED_FIELDS if f not in header]
+    if missing:
+        raise SourceDataError(f"{path}: header lacks column(s) {missing}; it has {header}")
+    while True:
+        line_number = reader.line_num + 1  # where the next row starts (a quoted field may span lines)
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as error:  # e.g. a quote never closed
+            raise SourceDataError(f"line {line_number} of {path}: malformed CSV ({error})") from error
+        if not cells:
+            continue  # blank line
+        yield _validated(dict(zip(header, cells)), f"line {line_number} of {path}")
 
 
 def _read_parquet(path: Path) -> Iterator[dict[str, str]]:
@@ -89,13 +135,14 @@ def read_records(source: str | Path) -> list[dict[str, str]]:
     """All records from every data file at `source`, in file order."""
     records: list[dict[str, str]] = []
     for path in list_source_files(source):
+        suffix = path.suffix.lower()
         try:
-            if path.suffix in (".jsonl", ".json"):
+            if suffix in (".jsonl", ".json"):
                 records.extend(_read_jsonl(path))
-            elif path.suffix == ".csv":
+            elif suffix == ".csv":
                 records.extend(_read_csv(path))
             else:
                 records.extend(_read_parquet(path))
-        except (OSError, UnicodeDecodeError) as error:
+        except OSError as error:
             raise SourceDataError(f"{path}: cannot be read ({error})") from error
     return records
