@@ -91,6 +91,7 @@ def training_dataset(
         storage.folder("datasets") / "training" / context.partition_key,
         spec,
         source_label=f"partition {context.partition_key}",
+        records_path=raw_examples.path,
         extra_manifest={"raw_digest": raw_examples.digest, "tokenizer": base_model.digest},
     )
     yield dg.Output(

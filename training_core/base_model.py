@@ -8,6 +8,7 @@ every Dagster process (code server, each run) seconds."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -99,8 +100,13 @@ def resolve_pretrained(name_or_path: str) -> BaseModelRef:
     """Validate a local model directory or hub id by loading its config and tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
 
+    name_or_path = os.path.expanduser(name_or_path)
     path = Path(name_or_path)
-    looks_local = path.is_absolute() or name_or_path.startswith((".", "~")) or path.exists()
+    # A hub id is "name" or "org/name"; anything else (absolute, ./, ~, deeper paths) is a folder.
+    looks_local = (path.is_absolute() or name_or_path.startswith(".") or path.exists()
+                   or name_or_path.count("/") > 1)
+    if looks_local and not path.is_dir():
+        raise ModelNotFoundError(f"base model {name_or_path}: no such directory (working directory {Path.cwd()})")
     if looks_local and not (path / "config.json").is_file():
         raise ModelNotFoundError(
             f"base model {name_or_path}: no config.json there; expected a directory written by save_pretrained"
@@ -108,8 +114,9 @@ def resolve_pretrained(name_or_path: str) -> BaseModelRef:
     try:
         config = AutoConfig.from_pretrained(name_or_path)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    except OSError as error:
-        raise ModelNotFoundError(f"base model {name_or_path}: cannot be loaded ({error})") from error
+    except (OSError, ValueError) as error:  # ValueError: no model_type, no usable tokenizer files
+        where = "" if looks_local else f" (not a directory under {Path.cwd()}, so read as a Hugging Face Hub id)"
+        raise ModelNotFoundError(f"base model {name_or_path}{where}: cannot be loaded ({error})") from error
     if tokenizer.eos_token_id is None:
         raise ModelNotFoundError(f"base model {name_or_path}: tokenizer defines no eos_token")
     digest = directory_digest(path) if looks_local else f"hub:{name_or_path}@{getattr(config, '_commit_hash', None)}"

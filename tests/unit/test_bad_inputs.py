@@ -123,15 +123,48 @@ def test_empty_partition_leaves_no_dataset(tmp_path, demo_model):
 def test_example_longer_than_seq_len_leaves_no_partial_dataset(tmp_path, demo_model):
     from training_core.base_model import load_tokenizer
 
-    records = [{"prompt": "encode: " + " ".join("abcd" * 30), "response": "a"}] * 50
-    with pytest.raises(SourceDataError, match="do not fit seq_len=64"):
-        write_dataset(records, load_tokenizer(demo_model.name_or_path), tmp_path, DatasetSpec(), source_label="p")
+    long = {"prompt": "encode: " + " ".join("abcd" * 30), "response": "a"}
+    records = [{"prompt": f"encode: {word}", "response": "b"} for word in "a b c d e".split()] + [long] * 45
+    tokenizer = load_tokenizer(demo_model.name_or_path)
+    with pytest.raises(SourceDataError, match=r"p: line 6 of raw/records\.jsonl \(prompt 'encode: a b c d a b c d a b c d a b c d '\): "
+                                              r"\d+ tokens do not fit seq_len=64"):
+        write_dataset(records, tokenizer, tmp_path, DatasetSpec(), source_label="p", records_path="raw/records.jsonl")
+    with pytest.raises(SourceDataError, match=r"p: record 5 \(0-based\) \(prompt"):
+        write_dataset(records, tokenizer, tmp_path, DatasetSpec(), source_label="p")
     assert [p for p in tmp_path.iterdir()] == []
 
 
+@pytest.mark.parametrize(("field", "value"), [("rows_per_file", 0), ("row_group_rows", -1), ("seq_len", 2.5),
+                                              ("eval_fraction", 1.0), ("max_eval_examples", True)])
+def test_dataset_spec_refuses_values_that_cannot_write_a_dataset(field, value):
+    with pytest.raises(ConfigError, match=f"DatasetSpec.{field} must be"):
+        DatasetSpec(**{field: value})
+
+
 def test_base_model_path_that_does_not_exist(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="no config.json"):
+    with pytest.raises(ModelNotFoundError, match="no-such-model: no such directory"):
         resolve_pretrained(str(tmp_path / "no-such-model"))
+    with pytest.raises(ModelNotFoundError, match="models/team/my-llama: no such directory"):
+        resolve_pretrained("models/team/my-llama")  # two slashes: a folder, never sent to the Hub
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="empty: no config.json there"):
+        resolve_pretrained(str(tmp_path / "empty"))
+
+
+def test_base_model_folder_that_transformers_cannot_read_is_named(tmp_path):
+    (tmp_path / "notype").mkdir()
+    (tmp_path / "notype" / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match=r"base model .*notype: cannot be loaded \(.*model_type"):
+        resolve_pretrained(str(tmp_path / "notype"))
+
+
+def test_base_model_under_the_home_folder(demo_model, tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(demo_model.name_or_path, tmp_path / "mymodel")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    ref = resolve_pretrained("~/mymodel")
+    assert ref.name_or_path == str(tmp_path / "mymodel") and ref.digest == demo_model.digest
 
 
 def test_base_model_directory_loads_with_from_pretrained(demo_model):
@@ -145,12 +178,16 @@ def test_base_model_directory_loads_with_from_pretrained(demo_model):
     [
         ({"micro_batch_size": 0}, "micro_batch_size must be > 0"),
         ({"zero_stage": 4}, "zero_stage must be 0, 1, 2 or 3"),
-        ({"learning_rate": -1e-3}, "learning_rate must be > 0"),
+        ({"learning_rate": -1e-3}, "learning_rate must be a finite number > 0"),
         ({"offload_optimizer": "cpu", "zero_stage": 0}, "needs zero_stage >= 1"),
         ({"method": "qlora", "zero_stage": 3}, "qlora with zero_stage=3"),
         ({"precision": "fp16"}, "fp16 is not supported"),
         ({"max_steps": 0}, "max_steps"),
         ({"no_such_field": 1}, "no_such_field"),
+        ({"learning_rate": float("inf")}, "learning_rate must be a finite number > 0, got inf"),
+        ({"lora": {"target_modules": []}}, "lora.target_modules: .*non-empty list of module names"),
+        ({"num_workers": 0, "zero_stage": 7, "micro_batch_size": 0},  # every bad field at once
+         "(?=.*num_workers)(?=.*zero_stage must be)(?=.*micro_batch_size must be)"),
     ],
 )
 def test_impossible_training_configs_are_rejected(values, message):

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training_core.data.packing import is_eval_example, pack_examples, tokenize_example
-from training_core.errors import EmptyPartitionError
+from training_core.errors import ConfigError, EmptyPartitionError, SourceDataError
 from training_core.storage import directory_digest, publish_directory, staging_directory
 
 
@@ -32,6 +32,14 @@ class DatasetSpec:
     rows_per_file: int = 1024
     eval_fraction: float = 0.05
     max_eval_examples: int = 200
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "row_group_rows", "rows_per_file", "max_eval_examples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"DatasetSpec.{name} must be a whole number ≥ 1, got {value!r}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ConfigError(f"DatasetSpec.eval_fraction must be between 0 and 1 (exclusive), got {self.eval_fraction!r}")
 
 
 @dataclass(frozen=True)
@@ -68,17 +76,28 @@ def write_dataset(
     spec: DatasetSpec,
     *,
     source_label: str,
+    records_path: str | None = None,
     extra_manifest: dict | None = None,
 ) -> PublishedDataset:
-    """Tokenize, split, pack and publish `records` under `output_root/<digest>`."""
+    """Tokenize, split, pack and publish `records` under `output_root/<digest>`. `records_path`,
+    when the records are one JSON Lines file in order (the frozen `raw_examples`), lets an error
+    name a record's line there."""
     if not records:
         raise EmptyPartitionError(f"{source_label}: no records to write")
     train_examples, eval_records = [], []
-    for record in records:
+    for index, record in enumerate(records):
         if is_eval_example(record["prompt"], spec.eval_fraction):
             eval_records.append(record)
-        else:
-            train_examples.append(tokenize_example(tokenizer, record["prompt"], record["response"]))
+            continue
+        example = tokenize_example(tokenizer, record["prompt"], record["response"])
+        tokens = len(example.prompt_ids) + len(example.response_ids)
+        if tokens > spec.seq_len:
+            where = f"line {index + 1} of {records_path}" if records_path else f"record {index} (0-based)"
+            raise SourceDataError(
+                f"{source_label}: {where} (prompt {record['prompt'][:40]!r}): {tokens} tokens do not fit "
+                f"seq_len={spec.seq_len}; raise seq_len or shorten the record"
+            )
+        train_examples.append(example)
     if not train_examples:
         raise EmptyPartitionError(f"{source_label}: every record fell into the eval split")
     packed = pack_examples(train_examples, spec.seq_len, tokenizer.pad_token_id, where=f"{source_label} record")

@@ -8,6 +8,7 @@ import torch
 
 from training_core.data import CacheConfig, RowGroupReader
 from training_core.data.batch_columns import TRAINING_COLUMNS
+from training_core.errors import SourceDataError
 from training_core.train.config import TrainingConfig
 
 
@@ -56,6 +57,12 @@ class EpochBatches:
         for _ in range(2):
             batch = next(self._iterator, None)
             if batch is not None:
+                for name in TRAINING_COLUMNS:
+                    if batch[name].dtype == object:  # the reader's form of ragged rows (or nulls)
+                        raise SourceDataError(
+                            f"{', '.join(map(str, self._inputs.train_dirs))}: column {name!r} has rows of different "
+                            f"lengths in epoch {self._reader.epoch}; training needs every row to hold the same number of tokens"
+                        )
                 return {name: torch.from_numpy(batch[name]).long() for name in TRAINING_COLUMNS}
             self.epoch = self._reader.epoch  # an epoch that ends moves the reader to the next one
             if self._config.max_epochs is not None and self.epoch >= self._config.max_epochs:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from training_core.errors import ConfigError
 
@@ -21,6 +22,13 @@ class LoraSettings(BaseModel):
     target_modules: str | list[str] = Field("all-linear", description="'all-linear' or module names")
     # A randomly initialised base (the demo) has no useful embeddings; real checkpoints leave this empty.
     modules_to_save: list[str] | None = Field(None, description="modules trained in full next to LoRA")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_target(cls, value: str | list[str]) -> str | list[str]:
+        if not value or (isinstance(value, list) and not all(name.strip() for name in value)):
+            raise ValueError("target_modules must be 'all-linear' or a non-empty list of module names")
+        return value
 
 
 class TrainingConfig(BaseModel):
@@ -56,14 +64,31 @@ class TrainingConfig(BaseModel):
     cache_size_limit_bytes: int = Field(1 << 30, gt=0)
     peak_flops_preset: Literal["cpu", "a100", "h100", "h200"] = "cpu"
 
+    # One field each, so that every bad field is reported at once (a model validator runs only
+    # when all fields are valid).
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _positive_batch(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError(f"micro_batch_size must be > 0, got {value}")
+        return value
+
+    @field_validator("zero_stage")
+    @classmethod
+    def _known_stage(cls, value: int) -> int:
+        if value not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (DeepSpeed ZeRO), got {value}")
+        return value
+
+    @field_validator("learning_rate")
+    @classmethod
+    def _finite_positive_rate(cls, value: float) -> float:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"learning_rate must be a finite number > 0, got {value}")
+        return value
+
     @model_validator(mode="after")
     def _check_values(self) -> "TrainingConfig":
-        if self.micro_batch_size <= 0:
-            raise ValueError(f"micro_batch_size must be > 0, got {self.micro_batch_size}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage must be 0, 1, 2 or 3 (DeepSpeed ZeRO), got {self.zero_stage}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.offload_optimizer == "cpu" and self.zero_stage == 0:
             raise ValueError("offload_optimizer='cpu' needs zero_stage >= 1 (ZeRO-Offload partitions the optimizer)")
         if self.method == "qlora" and self.zero_stage == 3:

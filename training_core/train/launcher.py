@@ -13,6 +13,7 @@ from pathlib import Path
 from training_core.errors import ConfigError
 from training_core.train.checkpointing import MODEL_DIR, load_progress
 from training_core.train.config import TrainingConfig
+from training_core.train.data_preflight import check_training_data
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.loop import WorkerInputs, train_loop_per_worker
 from training_core.train.ray_trainer import torch_trainer_class, use_quick_health_checks
@@ -55,6 +56,7 @@ def run_training(
     from ray.train.torch import TorchConfig
 
     fault_step = fault_step_from_env()
+    check_training_data(train_dirs, config.micro_batch_size, config.num_workers)  # before any worker starts
     inputs = WorkerInputs(
         config=config.model_dump(mode="json"),
         model_path=model_path,

@@ -1,0 +1,67 @@
+"""Training data handed to run_training directly is checked in the driver, naming file and column."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from training_core.errors import SourceDataError
+from training_core.train.batches import EpochBatches
+from training_core.train.config import TrainingConfig
+from training_core.train.data_preflight import check_training_data
+
+SEQ = 8
+
+
+def _tokens(rows: int) -> pa.Array:
+    return pa.FixedSizeListArray.from_arrays(pa.array(np.arange(rows * SEQ, dtype=np.int32)), SEQ)
+
+
+def _write(directory, name: str, **columns) -> None:
+    directory.mkdir(exist_ok=True)
+    pq.write_table(pa.table(columns), directory / name)
+
+
+def test_good_data_passes_with_its_row_count(tmp_path):
+    _write(tmp_path / "a", "part-0.parquet", input_ids=_tokens(10), labels=_tokens(10))
+    _write(tmp_path / "b", "part-0.parquet", input_ids=pa.array([[1, 2]] * 6, pa.list_(pa.int64())),
+           labels=pa.array([[1, 2]] * 6, pa.list_(pa.int64())))
+    assert check_training_data([str(tmp_path / "a"), str(tmp_path / "b")], micro_batch_size=4, num_workers=2) == 16
+
+
+@pytest.mark.parametrize(("labels", "message"), [
+    (pa.array([[1.0] * SEQ] * 10, pa.list_(pa.float32())), r"column 'labels' is list<element: float>; training needs lists of integer"),
+    (pa.array(["1 2 3"] * 10), r"column 'labels' is string; training needs lists of integer"),
+    (pa.array([[1] * SEQ] * 9 + [None], pa.list_(pa.int32())), r"column 'labels' holds nulls"),
+])
+def test_a_file_with_unusable_token_columns_is_named(tmp_path, labels, message):
+    _write(tmp_path / "d", "part-0.parquet", input_ids=_tokens(10), labels=_tokens(10))
+    _write(tmp_path / "d", "part-1.parquet", input_ids=_tokens(10), labels=labels)
+    with pytest.raises(SourceDataError, match=rf"part-1\.parquet: {message}"):
+        check_training_data([str(tmp_path / "d")], micro_batch_size=4, num_workers=2)
+
+
+def test_a_missing_column_and_too_few_rows_are_refused(tmp_path):
+    _write(tmp_path / "d", "part-0.parquet", input_ids=_tokens(5))
+    with pytest.raises(SourceDataError, match=r"part-0\.parquet: no column 'labels'; it has \['input_ids'\]"):
+        check_training_data([str(tmp_path / "d")], micro_batch_size=4, num_workers=2)
+    _write(tmp_path / "d", "part-0.parquet", input_ids=_tokens(5), labels=_tokens(5))
+    with pytest.raises(SourceDataError, match=r"5 training rows, fewer than one micro batch on every worker "
+                                              r"\(micro_batch_size 4 × num_workers 2 = 8\)"):
+        check_training_data([str(tmp_path / "d")], micro_batch_size=4, num_workers=2)
+
+
+def test_ragged_rows_stop_training_naming_the_column(tmp_path):
+    ragged = pa.array([[1] * SEQ, [1] * (SEQ - 3)] * 8, pa.list_(pa.int32()))
+    _write(tmp_path / "d", "part-0.parquet", input_ids=ragged, labels=ragged)
+    inputs = SimpleNamespace(train_dirs=[str(tmp_path / "d")], cache_dir=None)
+    config = TrainingConfig(num_workers=1, micro_batch_size=4, max_steps=10)
+    batches = EpochBatches(inputs, config, rank=0, world_size=1, epoch=0, state=None)
+    try:
+        with pytest.raises(SourceDataError, match=r"column 'input_ids' has rows of different lengths in epoch 0"):
+            batches.next()
+    finally:
+        batches.close()
