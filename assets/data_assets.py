@@ -49,7 +49,7 @@ def raw_examples(context: dg.AssetExecutionContext, config: RawExamplesConfig, s
         with (staging / "records.jsonl").open("w", encoding="utf-8") as handle:
             for record in records:
                 handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        digest = directory_digest(staging)
+        digest = directory_digest(staging, record_files=True)
         final = publish_directory(staging, storage.folder("datasets") / "raw" / day / digest[:16])
     context.log.info("partition %s: %d records from %s", day, len(records), config.source)
     return dg.Output(

@@ -85,7 +85,7 @@ def build_demo_model(corpus: list[str], spec: TinyLlamaSpec, output_root: Path) 
     with staging_directory(output_root) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        digest = directory_digest(staging)
+        digest = directory_digest(staging, record_files=True)
         final = publish_directory(staging, output_root / f"tiny-llama-{digest[:16]}")
     return BaseModelRef(
         name_or_path=str(final),

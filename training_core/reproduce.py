@@ -11,7 +11,7 @@ from training_core.data.batch_columns import TRAINING_COLUMNS
 from training_core.data.window import window_digest
 from training_core.errors import LineageError
 from training_core.runs import TrainingInputs
-from training_core.storage import directory_digest
+from training_core.storage import changed_files, directory_digest
 from training_core.tracking import MlflowTracking
 from training_core.train.config import TrainingConfig, parse_training_config
 
@@ -49,9 +49,10 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
                                f"partition(s) {params.get('partition_keys')}")
         digests.append(directory_digest(dataset))
     if window_digest(digests) != params["dataset_digest"]:
-        changed = [str(d) for d, digest in zip(datasets, digests) if not d.name.startswith(digest[:16])]
-        raise LineageError(f"run {run_id}: dataset {', '.join(changed) or datasets} no longer matches the "
-                           f"recorded digest {params['dataset_digest'][:16]}; its content changed")
+        changed = [d for d, digest in zip(datasets, digests) if not d.name.startswith(digest[:16])] or datasets
+        raise LineageError(f"run {run_id}: dataset {', '.join(map(str, changed))} no longer matches the "
+                           f"recorded digest {params['dataset_digest'][:16]}; its content changed"
+                           + _which_files(changed))
     rebuilt_cache = window_digest([cache_version(d, TRAINING_COLUMNS, TRANSFORM_VERSION) for d in digests])
     if rebuilt_cache != params["cache_version"]:
         raise LineageError(f"run {run_id}: cache version {params['cache_version']} cannot be rebuilt by this code")
@@ -60,7 +61,8 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
         if not base.is_dir():
             raise LineageError(f"run {run_id}: base model {base} is gone")
         if directory_digest(base) != params["base_model_digest"]:
-            raise LineageError(f"run {run_id}: base model {base} no longer matches its recorded digest")
+            raise LineageError(f"run {run_id}: base model {base} no longer matches its recorded digest"
+                               + _which_files([base]))
     manifest = json.loads((datasets[0] / "manifest.json").read_text())
     inputs = TrainingInputs(
         base_model=params["base_model"],
@@ -94,3 +96,9 @@ def compare_runs(tracking: MlflowTracking, original_id: str, reproduced_id: str)
             a, b = original.get(name), reproduced.get(name)
             rows.append((name, a, b, a == b))
     return rows
+
+
+def _which_files(directories: list[Path]) -> str:
+    """": a/b.parquet (changed), …" from the digests recorded at publication, where there are any."""
+    found = [f"{directory / name}" for directory in directories for name in (changed_files(directory) or [])]
+    return f": {', '.join(found)}" if found else ""

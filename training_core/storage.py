@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+
+import xxhash
 
 
 @contextlib.contextmanager
@@ -44,17 +47,54 @@ def publish_directory(staging: Path, final: Path) -> Path:
     return final
 
 
-def directory_digest(directory: Path, *, exclude_hidden: bool = True) -> str:
-    """SHA-256 over relative paths and bytes of every file, in sorted order."""
-    digest = hashlib.sha256()
+FILE_DIGESTS = ".file-digests.json"  # hidden: not part of the directory digest it explains
+
+
+def directory_digest(directory: Path, *, exclude_hidden: bool = True, record_files: bool = False) -> str:
+    """SHA-256 over relative paths and bytes of every file, in sorted order.
+
+    ``record_files`` (when publishing) also writes each file's XXH3-128 to ``FILE_DIGESTS`` in the
+    directory, so that a later mismatch can name the files that changed (:func:`changed_files`)."""
+    digest, files = hashlib.sha256(), {}
+    for relative, path in _content_files(directory, exclude_hidden):
+        digest.update(relative.encode())
+        digest.update(b"\0")
+        per_file = xxhash.xxh3_128() if record_files else None
+        with path.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+                if per_file is not None:
+                    per_file.update(chunk)
+        digest.update(b"\0")
+        if per_file is not None:
+            files[relative] = per_file.hexdigest()
+    if record_files:
+        (directory / FILE_DIGESTS).write_text(json.dumps(files, indent=1, sort_keys=True))
+    return digest.hexdigest()
+
+
+def _content_files(directory: Path, exclude_hidden: bool) -> Iterator[tuple[str, Path]]:
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         relative = path.relative_to(directory).as_posix()
         if exclude_hidden and any(part.startswith(".") for part in relative.split("/")):
             continue
-        digest.update(relative.encode())
-        digest.update(b"\0")
+        yield relative, path
+
+
+def changed_files(directory: Path) -> list[str] | None:
+    """What differs from the ``FILE_DIGESTS`` recorded at publication ("path (changed|added|
+    removed)"), or None when the directory has no record (published before it was kept)."""
+    recorded_path = directory / FILE_DIGESTS
+    if not recorded_path.is_file():
+        return None
+    recorded = json.loads(recorded_path.read_text())
+    current = {}
+    for relative, path in _content_files(directory, exclude_hidden=True):
+        hasher = xxhash.xxh3_128()
         with path.open("rb") as handle:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-        digest.update(b"\0")
-    return digest.hexdigest()
+                hasher.update(chunk)
+        current[relative] = hasher.hexdigest()
+    return sorted([f"{name} (changed)" for name in current.keys() & recorded.keys() if current[name] != recorded[name]]
+                  + [f"{name} (added)" for name in current.keys() - recorded.keys()]
+                  + [f"{name} (removed)" for name in recorded.keys() - current.keys()])

@@ -202,3 +202,4 @@ def test_reproduce_refuses_when_the_dataset_changed(demo_run):
     code, output = _reproduce(home, result.output_for_node("lora_adapter").mlflow_run_id)
     assert code == 2
     assert "content changed" in output and str(dataset)[:20] in output.replace("\n", "")
+    assert "manifest.json (changed)" in output.replace("\n", "")  # from the digests kept at publication

@@ -118,3 +118,21 @@ def test_count_occurrences_equals_a_plain_scan(data, rows, width, vocab, use_sta
     # start_token only narrows where to look: a match starts with its sequence's first token anyway
     counted = quality.count_occurrences(table, sequences, start_token=start_token, rows_per_chunk=2)
     assert counted == _naive_occurrences(table, sequences)
+
+
+def test_published_directories_name_the_files_that_changed_later(tmp_path):
+    from training_core.storage import FILE_DIGESTS, changed_files, directory_digest
+
+    folder = tmp_path / "d"
+    (folder / "train").mkdir(parents=True)
+    (folder / "train" / "a.parquet").write_bytes(b"aaaa")
+    (folder / "manifest.json").write_text("{}")
+    plain = directory_digest(folder)
+    assert changed_files(folder) is None  # nothing recorded yet
+    assert directory_digest(folder, record_files=True) == plain  # same digest: the record is hidden
+    assert (folder / FILE_DIGESTS).is_file() and directory_digest(folder) == plain
+    assert changed_files(folder) == []
+    (folder / "train" / "a.parquet").write_bytes(b"aaab")
+    (folder / "train" / "b.parquet").write_bytes(b"new")
+    (folder / "manifest.json").unlink()
+    assert changed_files(folder) == ["manifest.json (removed)", "train/a.parquet (changed)", "train/b.parquet (added)"]

@@ -129,7 +129,7 @@ def write_dataset(
             **(extra_manifest or {}),
         }
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        digest = directory_digest(staging)
+        digest = directory_digest(staging, record_files=True)
         final = publish_directory(staging, output_root / digest[:16])
 
     row_groups = sum(pq.ParquetFile(p).num_row_groups for p in sorted((final / "train").glob("*.parquet")))
