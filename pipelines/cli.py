@@ -119,7 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     p_bench.set_defaults(handler=bench)
     args = parser.parse_args(argv)
-    return args.handler(args)
+    from training_core.errors import TesseraError
+
+    try:
+        return args.handler(args)
+    except TesseraError as error:  # bad input we refused on purpose: the message says what to fix
+        print(f"tessera {args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

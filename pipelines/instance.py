@@ -22,10 +22,14 @@ concurrency:
 def prepare_home(home: str | None = None) -> Path:
     """Create the state root and DAGSTER_HOME, and export both for this process."""
     from resources.paths import default_home
+    from training_core.errors import ConfigError
 
-    root = Path(home).resolve() if home else default_home()
+    root = Path(home).expanduser().resolve() if home else default_home()
     dagster_home = root / "dagster"
-    dagster_home.mkdir(parents=True, exist_ok=True)
+    try:
+        dagster_home.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file in the way, no permission, a read-only disk
+        raise ConfigError(f"state folder {root} is not usable: {error.strerror or error}") from error
     settings = dagster_home / "dagster.yaml"
     if not settings.exists():
         settings.write_text(INSTANCE_SETTINGS)

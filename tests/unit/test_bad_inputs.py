@@ -249,3 +249,19 @@ def test_fault_step_parses_and_is_off_when_unset(monkeypatch):
     assert fault_step_from_env() == 12
     monkeypatch.delenv(FAULT_STEP_ENV)
     assert fault_step_from_env() is None
+
+
+def test_cli_state_folder_that_is_a_file_is_refused_without_a_traceback(tmp_path, capsys):
+    from pipelines.cli import main
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    assert main(["reproduce", "some-run", "--home", str(blocker)]) == 2
+    assert f"tessera reproduce: state folder {blocker} is not usable" in capsys.readouterr().err
+
+
+def test_cache_sizes_must_be_numbers(tmp_path):
+    from training_core.data import CacheConfig
+
+    with pytest.raises(ValueError, match="CacheConfig.size_limit_bytes must be a whole number of bytes, got '1GB'"):
+        CacheConfig(tmp_path, "1GB")

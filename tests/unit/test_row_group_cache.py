@@ -291,6 +291,23 @@ def test_warm_cache_reports_and_versions(tmp_path):
         assert reader.stats.cache_hits == 5 and reader.stats.cache_misses == 0
 
 
+def test_warm_cache_closes_its_cache_when_a_row_group_fails(tmp_path, monkeypatch):
+    from training_core.data import workers
+    from training_core.data.parquet_files import RowGroupReadError
+
+    data = write_ids_dataset(tmp_path / "d", [(300, 64)])
+    closed = []
+    monkeypatch.setattr(workers.RowGroupCache, "close", lambda self: closed.append(self))
+
+    def fail(self, ref, **kwargs):
+        raise RowGroupReadError(f"{ref.describe()}: unreadable")
+
+    monkeypatch.setattr(workers.RowGroupLoader, "load", fail)
+    with pytest.raises(RowGroupReadError, match="unreadable"):
+        warm_cache(data, CacheConfig(tmp_path / "c", 2**26), columns=["id"])
+    assert len(closed) == 1
+
+
 class _GatedCache(RowGroupCache):
     """A cache whose stores wait for ``gate`` (a slow disk), announcing each one on ``entered``."""
 

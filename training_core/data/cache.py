@@ -61,6 +61,11 @@ class CacheConfig:
     write_queue_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
+        for name in ("size_limit_bytes", "shards", "write_queue_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"CacheConfig.{name} must be a whole number of {'bytes' if 'bytes' in name else 'shards'}, "
+                                 f"got {value!r}")
         if self.size_limit_bytes <= 0:
             raise ValueError(f"CacheConfig.size_limit_bytes must be > 0, got {self.size_limit_bytes}")
         if self.policy not in ("evict", "stop_admitting"):

@@ -342,28 +342,30 @@ def load_all_row_groups(
         lambda: index_dataset(source, columns, filesystem), read_timeout_s, f"{source}: footers", name
     )
     cache = RowGroupCache(config)
-    loader = RowGroupLoader(index, cache, None, "none", read_timeout_s)
-    pool, stop = WorkerPool(workers, name), threading.Event()
-    try:
-        window = max(2 * workers, 2)
-        refs = list(index.row_groups)
-        for begin in range(0, len(refs), window):
-            tasks = [pool.submit(loader.load, ref, label=ref.describe()) for ref in refs[begin : begin + window]]
-            for task in tasks:
-                task.wait(read_timeout_s, stop)
+    try:  # the cache handle is closed on failure too (a failed read leaves only whole, checksummed entries)
+        loader = RowGroupLoader(index, cache, None, "none", read_timeout_s)
+        pool, stop = WorkerPool(workers, name), threading.Event()
+        try:
+            window = max(2 * workers, 2)
+            refs = list(index.row_groups)
+            for begin in range(0, len(refs), window):
+                tasks = [pool.submit(loader.load, ref, label=ref.describe()) for ref in refs[begin : begin + window]]
+                for task in tasks:
+                    task.wait(read_timeout_s, stop)
+        finally:
+            pool.close()
+        counters = cache.counters
+        report = CacheWarmReport(
+            entries=len(cache),
+            bytes=cache.volume(),
+            hits=counters.hits,
+            misses=counters.misses,
+            evictions=counters.evictions,
+            corruptions=counters.corruptions,
+            hit_rate=counters.hits / max(counters.hits + counters.misses, 1),
+            cache_version=cache_version(dataset_digest or index.digest(), index.columns, "none"),
+        )
     finally:
-        pool.close()
-    counters = cache.counters
-    report = CacheWarmReport(
-        entries=len(cache),
-        bytes=cache.volume(),
-        hits=counters.hits,
-        misses=counters.misses,
-        evictions=counters.evictions,
-        corruptions=counters.corruptions,
-        hit_rate=counters.hits / max(counters.hits + counters.misses, 1),
-        cache_version=cache_version(dataset_digest or index.digest(), index.columns, "none"),
-    )
-    cache.close()
+        cache.close()
     logger.info("warmed row-group cache %s: %s", config.directory, report)
     return report
