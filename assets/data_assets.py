@@ -30,6 +30,7 @@ class RawExamplesConfig(dg.Config):
         "demo",
         description="'demo' generates the cipher task from the partition key; otherwise a JSONL/CSV/Parquet "
         "file or folder with `prompt` and `response` fields. '{partition}' is replaced by the day.",
+        min_length=1,
     )
     records_per_partition: int = Field(4000, gt=0, description="demo only: records generated per day")
     seed: int = Field(0, description="demo only: generator seed")

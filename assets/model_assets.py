@@ -2,7 +2,7 @@
 
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from resources import TesseraStorage
 from training_core.base_model import TinyLlamaSpec, build_demo_model, resolve_pretrained
@@ -13,9 +13,17 @@ class BaseModelConfig(dg.Config):
     name_or_path: str = Field(
         "demo", description="'demo' builds a tiny Llama + tokenizer; else a save_pretrained folder or hub id"
     )
-    demo_hidden_size: int = Field(128, gt=0)
+    demo_hidden_size: int = Field(128, gt=0, description="demo only: a multiple of its 4 attention heads")
     demo_layers: int = Field(2, gt=0)
     demo_seed: int = Field(0, description="weight init seed of the demo model")
+
+    @field_validator("demo_hidden_size")
+    @classmethod
+    def _divisible_by_heads(cls, value: int) -> int:
+        heads = TinyLlamaSpec.num_attention_heads
+        if value % heads:
+            raise ValueError(f"demo_hidden_size must be a multiple of the demo model's {heads} attention heads, got {value}")
+        return value
 
 
 @dg.asset(group_name="model", kinds={"pytorch"})

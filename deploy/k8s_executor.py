@@ -20,6 +20,8 @@ EXECUTOR_NAME = "tessera_k8s"
 
 def k8s_executor_config(*, training_on_kuberay: bool = False, max_concurrent: int = 4) -> dict[str, Any]:
     """Run config of `k8s_job_executor` (the `execution: config:` block), as plain data."""
+    if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int) or max_concurrent < 1:
+        raise ValueError(f"max_concurrent (step pods of one run at once) must be a whole number ≥ 1, got {max_concurrent!r}")
     default = STEP_RESOURCES["default"]
     per_step = {
         name: step_k8s_config(name, training_on_kuberay=training_on_kuberay)

@@ -17,6 +17,11 @@ console = Console()
 
 
 def demo(args: argparse.Namespace) -> int:
+    if args.json:  # checked now, not after minutes of training
+        target = Path(args.json).expanduser()
+        if target.is_dir() or not target.parent.is_dir():
+            print(f"tessera demo: --json {args.json}: needs a file path in an existing folder", file=sys.stderr)
+            return 2
     root = prepare_home(args.home)
     import dagster as dg
 

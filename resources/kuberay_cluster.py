@@ -15,6 +15,7 @@ mounted at the same path as the Ray pods, and no GPU (deploy/k8s_tags.py, `train
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 import types
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from resources.paths import REPO_ROOT
 from resources.ray_cluster import RayDataOptions, ray_data_options_field
 
 DEFAULT_MANIFEST = REPO_ROOT / "deploy" / "kuberay" / "raycluster.yaml"
+GROUP_KEYS = ("headGroupSpec", "workerGroupSpecs")
 RAYCLUSTER_API_VERSION = "ray.io/v1"
 
 
@@ -61,7 +63,30 @@ def load_raycluster_manifest(path: str | Path = DEFAULT_MANIFEST) -> dict[str, A
         )
     if not isinstance(manifest.get("spec"), dict):
         raise KubeRayManifestError(f"{path}: the RayCluster has no spec")
+    _check_groups(path, manifest["spec"])
     return manifest
+
+
+def _check_groups(path: Path, spec: Mapping[str, Any]) -> None:
+    """The head group and every worker group exist and have containers. Without this, a typo such
+    as `workerGroupSpec` passed through and dagster-ray's default groups replaced the manifest's."""
+    for key in spec:
+        near = difflib.get_close_matches(key, GROUP_KEYS, n=1, cutoff=0.8)
+        if near and key != near[0]:
+            raise KubeRayManifestError(f"{path}: spec.{key} is not a RayCluster field; did you mean spec.{near[0]}?")
+    groups: list[tuple[str, Any]] = [("spec.headGroupSpec", spec.get("headGroupSpec"))]
+    workers = spec.get("workerGroupSpecs", [])
+    if not isinstance(workers, list):
+        raise KubeRayManifestError(f"{path}: spec.workerGroupSpecs must be a list of groups, got {type(workers).__name__}")
+    groups += [(f"spec.workerGroupSpecs[{i}]", group) for i, group in enumerate(workers)]
+    for where, group in groups:
+        if not isinstance(group, Mapping):
+            raise KubeRayManifestError(f"{path}: {where} is missing or not a mapping")
+        containers = ((group.get("template") or {}).get("spec") or {}).get("containers")
+        if not isinstance(containers, list) or not containers:
+            raise KubeRayManifestError(f"{path}: {where}.template.spec.containers must list the Ray container")
+        if not isinstance(group.get("rayStartParams", {}), Mapping):
+            raise KubeRayManifestError(f"{path}: {where}.rayStartParams must be a mapping of ray start flags")
 
 
 def raycluster_config_from_manifest(manifest: Mapping[str, Any]) -> RayClusterConfig:
@@ -105,6 +130,10 @@ def kuberay_cluster_from_manifest(
         manifest.setdefault("metadata", {}).pop("name", None)
     elif not (manifest.get("metadata") or {}).get("name"):
         raise KubeRayManifestError(f"{path}: attaching to a RayCluster needs metadata.name")
+    unknown = sorted(set(resource_options) - set(TrainingKubeRayCluster.model_fields))
+    if unknown:
+        raise KubeRayManifestError(f"unknown KubeRay resource option(s) {unknown}; "
+                                   f"known: {sorted(TrainingKubeRayCluster.model_fields)}")
     options: dict[str, Any] = {
         "ray_cluster": raycluster_config_from_manifest(manifest),
         # Nothing at step start: the training asset creates / waits / connects only when it trains

@@ -20,5 +20,30 @@ class MlflowTracker(dg.ConfigurableResource):
 
     def client(self) -> MlflowTracking:
         uri = self.tracking_uri or f"sqlite:///{self.storage.root / 'mlflow.db'}"
+        if self.tracking_uri:
+            check_tracking_uri(self.tracking_uri)
         self.storage.root.mkdir(parents=True, exist_ok=True)
         return MlflowTracking(uri, self.storage.folder("mlartifacts"), self.experiment)
+
+
+# Stores MLflow 3 serves runs and the model registry from (its file store is retired).
+TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
+
+
+def check_tracking_uri(uri: str) -> None:
+    """Refuse a tracking URI MLflow would misread or, for SQLite, quietly create somewhere new (a
+    typo in the path would start an empty store: earlier runs, reuse and the champion gone)."""
+    from urllib.parse import urlparse
+
+    from training_core.errors import ConfigError
+
+    scheme = urlparse(uri).scheme.split("+")[0]
+    if scheme not in TRACKING_SCHEMES:
+        raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: expected a URI with scheme "
+                          f"{'/'.join(TRACKING_SCHEMES)} (e.g. sqlite:////data/mlflow.db or http://mlflow:5000)")
+    if scheme == "sqlite":
+        from pathlib import Path
+
+        database = Path(uri.split(":///", 1)[-1]) if ":///" in uri else None
+        if database is not None and str(database) != ":memory:" and not database.parent.is_dir():
+            raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: folder {database.parent} does not exist")

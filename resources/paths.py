@@ -25,11 +25,17 @@ class TesseraStorage(dg.ConfigurableResource):
 
     @property
     def root(self) -> Path:
-        return Path(self.home).resolve() if self.home else default_home()
+        return Path(self.home).expanduser().resolve() if self.home else default_home()
 
     def folder(self, name: str) -> Path:
         path = self.root / name
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # a file in the way, no permission, a read-only disk
+            from training_core.errors import ConfigError
+
+            raise ConfigError(f"state folder {self.root} (storage.home / TESSERA_HOME) is not usable: "
+                              f"cannot create {path}: {error.strerror or error}") from error
         return path
 
     @property

@@ -10,7 +10,7 @@ from typing import Any
 
 from dagster_ray import Lifecycle, LocalRay, RayResource
 from dagster_ray.configs import RayDataExecutionOptions
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, field_validator
 
 from training_core.train.ray_trainer import use_cluster_services, use_pooled_worker_processes, use_preemption_watcher
 
@@ -107,6 +107,16 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
                                  description="connect lazily: the training asset connects when it trains")
 
     address: str = Field(description="GCS address of the head node, e.g. 10.0.0.5:6379 or 'auto'")
+
+    @field_validator("address")
+    @classmethod
+    def _host_and_port(cls, value: str) -> str:
+        """'auto', HOST:PORT or ray://HOST:PORT (from TESSERA_RAY_ADDRESS in local definitions)."""
+        host, _, port = value.removeprefix("ray://").rpartition(":")
+        if value != "auto" and not (host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"Ray address {value!r} (TESSERA_RAY_ADDRESS or ray_cluster.address): "
+                             "expected HOST:PORT, ray://HOST:PORT or 'auto'")
+        return value
 
     data_execution_options: RayDataOptions = ray_data_options_field()
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from training_core.errors import ModelNotFoundError
+from training_core.errors import ConfigError, ModelNotFoundError
 from training_core.storage import directory_digest, publish_directory, staging_directory
 
 if TYPE_CHECKING:
@@ -34,6 +34,11 @@ class TinyLlamaSpec:
     num_attention_heads: int = 4
     max_position_embeddings: int = 256
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"demo model hidden_size {self.hidden_size} must be a multiple of its "
+                              f"{self.num_attention_heads} attention heads")
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,8 @@ def resolve_pretrained(name_or_path: str) -> BaseModelRef:
     # A hub id is "name" or "org/name"; anything else (absolute, ./, ~, deeper paths) is a folder.
     looks_local = (path.is_absolute() or name_or_path.startswith(".") or path.exists()
                    or name_or_path.count("/") > 1)
+    if looks_local and path.is_file():
+        raise ModelNotFoundError(f"base model {name_or_path}: is a file; expected a directory written by save_pretrained")
     if looks_local and not path.is_dir():
         raise ModelNotFoundError(f"base model {name_or_path}: no such directory (working directory {Path.cwd()})")
     if looks_local and not (path / "config.json").is_file():

@@ -265,3 +265,65 @@ def test_cache_sizes_must_be_numbers(tmp_path):
 
     with pytest.raises(ValueError, match="CacheConfig.size_limit_bytes must be a whole number of bytes, got '1GB'"):
         CacheConfig(tmp_path, "1GB")
+
+
+def test_a_blank_source_and_a_broken_unicode_escape_are_named(tmp_path):
+    with pytest.raises(SourceDataError, match="source is empty"):
+        read_records("")
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"prompt": "p", "response": "r"}\n{"prompt": "half \\ud83d", "response": "r"}\n')
+    with pytest.raises(SourceDataError, match=r"line 2 of .*a\.jsonl: field 'prompt' holds '\\ud83d', which is not a valid Unicode"):
+        read_records(path)
+
+
+def test_a_base_model_path_that_is_a_file(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelNotFoundError, match="model.safetensors: is a file; expected a directory"):
+        resolve_pretrained(str(tmp_path / "model.safetensors"))
+
+
+def test_modules_to_save_that_the_model_lacks_are_refused(demo_model):
+    from training_core.train.model_setup import apply_method, load_base_model
+
+    config = TrainingConfig(lora={"modules_to_save": ["embed_tokenz", "lm_head"]})
+    with pytest.raises(ConfigError, match=r"lora.modules_to_save \['embed_tokenz'\]: no module of that name"):
+        apply_method(load_base_model(config, demo_model.name_or_path), config)
+    with pytest.raises(ConfigError, match="modules_to_save names must not be blank"):
+        parse_training_config({"lora": {"modules_to_save": [""]}})
+
+
+def test_demo_json_path_is_checked_before_the_run(tmp_path, capsys):
+    from pipelines.cli import main
+
+    assert main(["demo", "--home", str(tmp_path / "home"), "--json", str(tmp_path / "missing" / "x.json")]) == 2
+    assert "--json" in capsys.readouterr().err and not (tmp_path / "home").exists()
+
+
+def test_a_storage_root_that_is_a_file_is_named(tmp_path):
+    from resources import TesseraStorage
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=r"state folder .*afile \(storage.home / TESSERA_HOME\) is not usable"):
+        TesseraStorage(home=str(tmp_path / "afile")).folder("datasets")
+
+
+def test_demo_hidden_size_must_split_into_the_heads():
+    from assets.model_assets import BaseModelConfig
+
+    assert BaseModelConfig(demo_hidden_size=64).demo_hidden_size == 64
+    with pytest.raises(Exception, match="demo_hidden_size must be a multiple of the demo model's 4 attention heads, got 130"):
+        BaseModelConfig(demo_hidden_size=130)
+
+
+@pytest.mark.parametrize(("uri", "message"), [
+    ("not-a-uri", "expected a URI with scheme sqlite/postgresql"),
+    ("127.0.0.1:5000", "expected a URI with scheme"),
+    ("sqlite:////nonexistent/dir/mlflow.db", "folder /nonexistent/dir does not exist"),
+])
+def test_mlflow_tracking_uris_that_would_misread_or_start_empty_are_refused(uri, message):
+    from resources.mlflow_tracker import check_tracking_uri
+
+    with pytest.raises(ConfigError, match=f"mlflow_tracker.tracking_uri '{uri}': {message}"):
+        check_tracking_uri(uri)
+    for good in ("http://mlflow:5000", "postgresql+psycopg2://u@db/mlflow", "sqlite:///:memory:"):
+        check_tracking_uri(good)

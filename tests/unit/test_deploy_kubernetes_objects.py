@@ -212,3 +212,30 @@ def test_manifest_of_another_api_version_is_refused(tmp_path):
     path.write_text(yaml.safe_dump(manifest))
     with pytest.raises(KubeRayManifestError, match="v1alpha1"):
         kuberay_cluster_from_manifest(path)
+
+
+def _broken(tmp_path, change) -> str:
+    manifest = copy.deepcopy(RAY_MANIFEST)
+    change(manifest["spec"])
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    return str(path)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda spec: spec.pop("headGroupSpec"), r"spec\.headGroupSpec is missing"),
+    (lambda spec: spec["workerGroupSpecs"][0].pop("template"), r"spec\.workerGroupSpecs\[0\]\.template\.spec\.containers must list"),
+    (lambda spec: spec.update(workerGroupSpecs={"gpu": spec["workerGroupSpecs"][0]}), r"spec\.workerGroupSpecs must be a list"),
+    (lambda spec: spec.update(workerGroupSpec=spec.pop("workerGroupSpecs")), r"spec\.workerGroupSpec is not a RayCluster field; did you mean spec\.workerGroupSpecs\?"),
+    (lambda spec: spec["headGroupSpec"].update(rayStartParams="--num-cpus=0"), r"spec\.headGroupSpec\.rayStartParams must be a mapping"),
+], ids=["no head group", "worker group without template", "worker groups as a mapping", "misspelt worker groups",
+        "ray start params as a string"])
+def test_a_raycluster_manifest_with_broken_groups_is_refused_by_path(tmp_path, change, message):
+    path = _broken(tmp_path, change)
+    with pytest.raises(KubeRayManifestError, match=message):
+        kuberay_cluster_from_manifest(path, image="registry/tessera:1")
+
+
+def test_unknown_kuberay_resource_options_are_refused():
+    with pytest.raises(KubeRayManifestError, match=r"unknown KubeRay resource option\(s\) \['namespce'\]"):
+        kuberay_cluster_from_manifest(RAYCLUSTER, namespce="x")

@@ -195,3 +195,11 @@ def test_gpus_on_kuberay_live_only_in_the_ray_worker_group():
         if GPU_RESOURCE in container.get("resources", {}).get("limits", {})
     ]
     assert gpu_groups == ["gpu"]
+
+
+@pytest.mark.parametrize("value", [0, -1, "4", True])
+def test_max_concurrent_step_pods_must_be_a_positive_whole_number(value):
+    from deploy.k8s_executor import k8s_executor_config
+
+    with pytest.raises(ValueError, match=f"max_concurrent \\(step pods of one run at once\\) must be a whole number ≥ 1, got {value!r}"):
+        k8s_executor_config(max_concurrent=value)

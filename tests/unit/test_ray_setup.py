@@ -201,3 +201,13 @@ def test_ray_data_options_are_applied_only_when_asked_for(monkeypatch):
     RayDataOptions().apply_remote()  # not applied: no task in a worker
     with pytest.raises(AssertionError, match="remote task"):
         RayDataOptions(apply_on_connect=True).apply_remote()
+
+
+@pytest.mark.parametrize("address", ["garbage", "", "10.0.0.5", "10.0.0.5:port", "ray://:10001"])
+def test_an_external_ray_address_must_be_host_and_port(address):
+    from resources.ray_cluster import ExternalRayCluster
+
+    with pytest.raises(Exception, match="expected HOST:PORT, ray://HOST:PORT or 'auto'"):
+        ExternalRayCluster(address=address)
+    for good in ("auto", "10.0.0.5:6379", "ray://head.svc:10001"):
+        assert ExternalRayCluster(address=good).address == good

@@ -24,6 +24,8 @@ SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 def list_source_files(source: str | Path) -> list[Path]:
     """The data files at `source` (a file or a directory searched recursively), sorted. Suffixes
     match in any case (`A.JSONL`); a file given directly must have one of them."""
+    if not str(source).strip():
+        raise SourceDataError("source is empty; give a JSONL/CSV/Parquet file or a folder of them")
     path = Path(source).expanduser()
     if not path.exists():
         raise SourceDataError(f"source path {path} does not exist")
@@ -68,6 +70,11 @@ def _validated(record: object, where: str) -> dict[str, str]:
         value = record[field]
         if not isinstance(value, str) or not value.strip():
             raise SourceDataError(f"{where}: field '{field}' must be a non-empty string, got {value!r}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:  # e.g. a lone surrogate escape such as "\ud83d" in JSON
+            raise SourceDataError(f"{where}: field '{field}' holds {value[error.start:error.end]!r}, "
+                                  "which is not a valid Unicode character (half of a surrogate pair?)") from error
         clean[field] = value
     return clean
 

@@ -30,6 +30,13 @@ class LoraSettings(BaseModel):
             raise ValueError("target_modules must be 'all-linear' or a non-empty list of module names")
         return value
 
+    @field_validator("modules_to_save")
+    @classmethod
+    def _named_modules(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not all(name.strip() for name in value):
+            raise ValueError(f"modules_to_save names must not be blank, got {value}")
+        return value
+
 
 class TrainingConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")

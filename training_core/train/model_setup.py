@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from training_core.errors import ConfigError
 from training_core.train.config import TrainingConfig
 
 
@@ -42,6 +43,11 @@ def apply_method(model, config: TrainingConfig):
         model = prepare_model_for_kbit_training(model)
     torch.manual_seed(config.seed)
     lora = config.lora
+    missing = [name for name in lora.modules_to_save or []
+               if not any(module == name or module.endswith(f".{name}") for module, _ in model.named_modules())]
+    if missing:  # PEFT would skip them silently: those weights would not train
+        raise ConfigError(f"lora.modules_to_save {missing}: no module of that name in the base model "
+                          f"(top-level modules: {[name for name, _ in model.named_children()]})")
     peft_config = LoraConfig(
         task_type="CAUSAL_LM",
         r=lora.r,
