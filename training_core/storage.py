@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import shutil
+import socket
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,15 +16,22 @@ from pathlib import Path
 import xxhash
 
 
+STAGING_PREFIX = ".staging-"
+STALE_STAGING_S = 6 * 3600  # a staging folder this old, from any host, belongs to no live writer
+
+
 @contextlib.contextmanager
 def staging_directory(parent: Path) -> Iterator[Path]:
     """A fresh hidden directory under `parent`, removed on any error.
 
     Work is written here and then moved into place with `publish_directory`, so a crash never
-    leaves a half-written dataset or model where a later run would pick it up.
+    leaves a half-written dataset or model where a later run would pick it up. A process killed
+    outright cannot remove its folder, so each new one first sweeps the leftovers of dead writers
+    (named `.staging-<host>-<pid>-<id>`: same host and the process is gone, or older than 6 h).
     """
     parent.mkdir(parents=True, exist_ok=True)
-    staging = parent / f".staging-{uuid.uuid4().hex}"
+    _remove_abandoned_staging(parent)
+    staging = parent / f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
     staging.mkdir()
     try:
         yield staging
@@ -31,13 +40,44 @@ def staging_directory(parent: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _remove_abandoned_staging(parent: Path) -> None:
+    host, now = socket.gethostname(), time.time()
+    for folder in parent.glob(f"{STAGING_PREFIX}*"):
+        owner_host, _, rest = folder.name.removeprefix(STAGING_PREFIX).rpartition("-")[0].rpartition("-")
+        pid = int(rest) if rest.isdigit() else None
+        try:
+            age = now - folder.stat().st_mtime
+        except FileNotFoundError:
+            continue  # its writer just published or removed it
+        dead_here = owner_host == host and pid is not None and not _process_alive(pid)
+        if dead_here or age > STALE_STAGING_S:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
 def publish_directory(staging: Path, final: Path) -> Path:
-    """Rename `staging` to `final` atomically. Content-addressed targets that already exist win:
-    the same digest means the same bytes, so the new copy is discarded."""
+    """Rename `staging` to `final` atomically. A content-addressed target that already exists
+    wins when its files still match the digests recorded at its publication (the same digest
+    means the same bytes); one damaged since (a file emptied or deleted by hand, an interrupted
+    restore) is replaced by the fresh copy instead of being trusted."""
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():
-        shutil.rmtree(staging, ignore_errors=True)
-        return final
+        if not changed_files(final):
+            shutil.rmtree(staging, ignore_errors=True)
+            return final
+        damaged = final.with_name(f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-replaced-{uuid.uuid4().hex}")
+        with contextlib.suppress(FileNotFoundError):  # another writer may have moved it first
+            os.replace(final, damaged)  # out of the way in one rename
+        shutil.rmtree(damaged, ignore_errors=True)
     try:
         os.replace(staging, final)
     except OSError:

@@ -327,3 +327,13 @@ def test_mlflow_tracking_uris_that_would_misread_or_start_empty_are_refused(uri,
         check_tracking_uri(uri)
     for good in ("http://mlflow:5000", "postgresql+psycopg2://u@db/mlflow", "sqlite:///:memory:"):
         check_tracking_uri(good)
+
+
+def test_files_inside_hidden_or_underscore_folders_are_not_source_data(tmp_path):
+    good = json.dumps({"prompt": "p", "response": "r"}) + "\n"
+    (tmp_path / "day").mkdir()
+    (tmp_path / "day" / "a.jsonl").write_text(good)
+    for partial in (".staging-host-1-abc/records.jsonl", "_temporary/0/part-0.jsonl"):
+        (tmp_path / "day" / partial).parent.mkdir(parents=True)
+        (tmp_path / "day" / partial).write_text(good * 3 + '{"prompt": "cut off')
+    assert read_records(tmp_path / "day") == [{"prompt": "p", "response": "r"}]

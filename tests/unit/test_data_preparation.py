@@ -136,3 +136,43 @@ def test_published_directories_name_the_files_that_changed_later(tmp_path):
     (folder / "train" / "b.parquet").write_bytes(b"new")
     (folder / "manifest.json").unlink()
     assert changed_files(folder) == ["manifest.json (removed)", "train/a.parquet (changed)", "train/b.parquet (added)"]
+
+
+def test_staging_folders_of_dead_writers_are_swept_and_live_ones_kept(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from training_core.storage import staging_directory
+
+    host = socket.gethostname()
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f".staging-{host}-{int(ended.stdout)}-abc"
+    live = tmp_path / f".staging-{host}-{os.getppid()}-def"  # our parent: alive
+    old = tmp_path / ".staging-0123456789abcdef"  # the earlier naming, from any host
+    for folder in (dead, live, old):
+        (folder / "train").mkdir(parents=True)
+    os.utime(old, (0, 0))  # older than the 6 h limit
+    with staging_directory(tmp_path) as staging:
+        assert staging.name.startswith(f".staging-{host}-{os.getpid()}-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+
+
+def test_publishing_over_a_damaged_copy_replaces_it(tmp_path):
+    from training_core.storage import directory_digest, publish_directory, staging_directory
+
+    def publish() -> Path:
+        with staging_directory(tmp_path) as staging:
+            (staging / "part-0.parquet").write_bytes(b"rows")
+            (staging / "part-1.parquet").write_bytes(b"more rows")
+            digest = directory_digest(staging, record_files=True)
+            return publish_directory(staging, tmp_path / digest[:16])
+
+    final = publish()
+    (final / "part-1.parquet").unlink()  # damaged after publication
+    assert publish() == final
+    assert (final / "part-1.parquet").read_bytes() == b"more rows"
+    intact_inode = (final / "part-0.parquet").stat().st_ino
+    assert publish() == final and (final / "part-0.parquet").stat().st_ino == intact_inode  # intact: kept
+    assert [p.name for p in tmp_path.iterdir()] == [final.name]

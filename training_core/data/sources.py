@@ -38,7 +38,10 @@ def list_source_files(source: str | Path) -> list[Path]:
         files = sorted(
             p
             for p in path.rglob("*")
-            if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES and not p.name.startswith((".", "_"))
+            # Hidden and underscore names anywhere below `path` are not data: a writer's staging
+            # folder (.staging-*, Spark's _temporary/) may hold partial files.
+            if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES
+            and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
         )
     if not files:
         raise SourceDataError(f"no {'/'.join(SUPPORTED_SUFFIXES)} files under {path}")
