@@ -6,6 +6,7 @@ import os
 from dagster_ray import Lifecycle
 
 from resources import ExternalRayCluster, LocalRayCluster, MlflowTracker, RowGroupCache, TesseraStorage
+from resources.io_manager import AtomicFilesystemIOManager
 
 RAY_ADDRESS_ENV = "TESSERA_RAY_ADDRESS"
 LAZY = Lifecycle(connect=False)
@@ -16,6 +17,7 @@ def local_resources() -> dict:
     address = os.environ.get(RAY_ADDRESS_ENV)
     return {
         "storage": storage,
+        "io_manager": AtomicFilesystemIOManager(),  # values between steps, written atomically
         # connect=False: the training asset connects only when it really trains (not for a reuse).
         # Passed explicitly: the resources' field defaults are not applied when Dagster builds them.
         "ray_cluster": ExternalRayCluster(address=address, lifecycle=LAZY) if address

@@ -7,6 +7,7 @@ import sys
 from datetime import datetime, timezone
 
 import dagster as dg
+import pytest
 
 from pipelines.definitions import defs
 
@@ -55,3 +56,28 @@ def test_loading_the_code_location_imports_no_ml_library():
     script = f"import sys, pipelines.definitions; print([m for m in {heavy!r} if m in sys.modules])"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
+def test_asset_values_between_steps_are_written_atomically(tmp_path):
+    import pickle
+
+    from upath import UPath
+
+    from pipelines.resources_kubernetes import kubernetes_resources
+    from pipelines.resources_local import local_resources
+    from resources.io_manager import AtomicFilesystemIOManager, AtomicPickleIOManager
+
+    assert isinstance(local_resources()["io_manager"], AtomicFilesystemIOManager)
+    assert isinstance(kubernetes_resources()["io_manager"], AtomicFilesystemIOManager)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise pickle.PicklingError("cannot pickle this")
+
+    manager = AtomicPickleIOManager(base_dir=str(tmp_path))
+    path = UPath(tmp_path / "training_dataset")
+    manager.dump_to_path(None, {"path": "/data/v1"}, path)
+    with pytest.raises(Exception):  # fails after a megabyte is already written (a kill at that moment)
+        manager.dump_to_path(None, ["x" * 2**20, Unpicklable()], path)
+    assert manager.load_from_path(None, path) == {"path": "/data/v1"}  # the recorded value is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["training_dataset"]  # no temporary file left
