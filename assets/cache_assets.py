@@ -35,6 +35,6 @@ def row_group_cache(context: dg.AssetExecutionContext, cache: RowGroupCache, tra
         WarmCache(str(cache_config.directory), report.cache_version, report.entries, report.bytes, report.hit_rate),
         metadata={"cache_version": report.cache_version, "entries": report.entries, "bytes": report.bytes,
                   "hit_rate": report.hit_rate, "misses": report.misses, "evictions": report.evictions,
-                  "corruptions": report.corruptions},
+                  "corruptions": report.corruptions, "orphan_files_removed": report.orphan_files_removed},
         data_version=dg.DataVersion(report.cache_version),
     )

@@ -291,6 +291,23 @@ def test_warm_cache_reports_and_versions(tmp_path):
         assert reader.stats.cache_hits == 5 and reader.stats.cache_misses == 0
 
 
+def test_warming_removes_value_files_a_killed_writer_left_without_an_entry(tmp_path):
+    data = write_ids_dataset(tmp_path / "d", [(300, 64)])
+    config = CacheConfig(tmp_path / "c", 2**26, shards=2)
+    assert warm_cache(data, config, columns=["id"]).orphan_files_removed == 0
+    values = sorted((tmp_path / "c").rglob("*.val"))
+    assert len(values) == 5
+    old_orphan = values[0].with_name("0123456789abcdef0123456789abcdef.val")
+    fresh_orphan = values[0].with_name("fedcba9876543210fedcba9876543210.val")  # a writer's open transaction
+    old_orphan.write_bytes(b"partial entry")
+    fresh_orphan.write_bytes(b"being written")
+    os.utime(old_orphan, (time.time() - 3600, time.time() - 3600))
+    report = warm_cache(data, config, columns=["id"])
+    assert report.orphan_files_removed == 1 and report.hits == 5
+    assert not old_orphan.exists() and fresh_orphan.exists()
+    assert all(path.exists() for path in values)
+
+
 def test_warm_cache_closes_its_cache_when_a_row_group_fails(tmp_path, monkeypatch):
     from training_core.data import workers
     from training_core.data.parquet_files import RowGroupReadError

@@ -19,6 +19,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -359,6 +360,27 @@ class RowGroupCache:
     def volume(self) -> int:
         return int(self._cache.volume())
 
+    def remove_orphan_files(self, min_age_s: float = 600.0) -> int:
+        """Delete value files no entry refers to: a process killed between writing an entry's file
+        and committing its row leaves one behind, never read and outside ``volume()``, so the
+        directory would outgrow the quota. Only files older than ``min_age_s`` go, so that a
+        writer's open transaction (its file exists before its row) is never touched. Returns how
+        many were removed."""
+        removed, now = 0, time.time()
+        for shard in self._cache._shards:  # pinned diskcache 5.6: value files under the shard folder
+            referenced = {os.path.normpath(os.path.join(shard.directory, name))
+                          for (name,) in shard._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL").fetchall()}
+            for folder, _, names in os.walk(shard.directory):
+                for name in names:
+                    path = os.path.normpath(os.path.join(folder, name))
+                    if not name.endswith(".val") or path in referenced:
+                        continue
+                    with contextlib.suppress(FileNotFoundError):
+                        if now - os.stat(path).st_mtime >= min_age_s:
+                            os.remove(path)
+                            removed += 1
+        return removed
+
     def __len__(self) -> int:
         return len(self._cache)
 
@@ -376,6 +398,7 @@ class CacheWarmReport:
     corruptions: int
     hit_rate: float
     cache_version: str
+    orphan_files_removed: int = 0  # value files left by killed writers, removed before warming
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

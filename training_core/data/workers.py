@@ -343,6 +343,7 @@ def load_all_row_groups(
     )
     cache = RowGroupCache(config)
     try:  # the cache handle is closed on failure too (a failed read leaves only whole, checksummed entries)
+        orphans = cache.remove_orphan_files()
         loader = RowGroupLoader(index, cache, None, "none", read_timeout_s)
         pool, stop = WorkerPool(workers, name), threading.Event()
         try:
@@ -364,6 +365,7 @@ def load_all_row_groups(
             corruptions=counters.corruptions,
             hit_rate=counters.hits / max(counters.hits + counters.misses, 1),
             cache_version=cache_version(dataset_digest or index.digest(), index.columns, "none"),
+            orphan_files_removed=orphans,
         )
     finally:
         cache.close()
