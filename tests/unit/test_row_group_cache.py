@@ -291,6 +291,17 @@ def test_warm_cache_reports_and_versions(tmp_path):
         assert reader.stats.cache_hits == 5 and reader.stats.cache_misses == 0
 
 
+def test_warm_report_counts_this_datasets_entries_in_a_shared_cache(tmp_path):
+    first = write_ids_dataset(tmp_path / "a", [(300, 64)])
+    second = write_ids_dataset(tmp_path / "b", [(200, 64)])
+    config = CacheConfig(tmp_path / "c", 2**26, shards=2)
+    alone = warm_cache(second, CacheConfig(tmp_path / "alone", 2**26, shards=2), columns=["id"])
+    warm_cache(first, config, columns=["id"])
+    shared = warm_cache(second, config, columns=["id"])
+    assert (shared.entries, shared.bytes) == (alone.entries, alone.bytes) == (4, alone.bytes)
+    assert shared.bytes > 0
+
+
 def test_warming_removes_value_files_a_killed_writer_left_without_an_entry(tmp_path):
     data = write_ids_dataset(tmp_path / "d", [(300, 64)])
     config = CacheConfig(tmp_path / "c", 2**26, shards=2)

@@ -204,6 +204,22 @@ class RowGroupCache:
         self._files = found
         return len(found)
 
+    def stored(self, keys: Sequence[str]) -> tuple[int, int]:
+        """(entries, payload bytes) of ``keys`` present in the cache: what one dataset holds in a
+        directory other datasets and configurations share."""
+        groups: dict[int, list[str]] = {}
+        for key in keys:
+            groups.setdefault(self._shard_of(key), []).append(key)
+        entries = size = 0
+        for index, shard_keys in groups.items():
+            shard = self._cache._shards[index]  # pinned diskcache 5.6: Cache table (key, size)
+            for begin in range(0, len(shard_keys), 500):
+                chunk = shard_keys[begin : begin + 500]
+                count, total = shard._sql(f"SELECT COUNT(*), SUM(size) FROM Cache WHERE key IN ({','.join('?' * len(chunk))})",
+                                          chunk).fetchone()
+                entries, size = entries + count, size + (total or 0)
+        return entries, size
+
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
@@ -390,8 +406,8 @@ class RowGroupCache:
 
 @dataclass
 class CacheWarmReport:
-    entries: int
-    bytes: int
+    entries: int  # this dataset's row groups in the cache (the directory may hold other datasets too)
+    bytes: int  # their payload bytes
     hits: int
     misses: int
     evictions: int

@@ -169,19 +169,20 @@ class RowGroupLoader:
         self.transform_version, self.read_timeout_s, self.max_attempts = transform_version, read_timeout_s, max_attempts
         self._local = threading.local()
 
+    def key(self, ref: RowGroupRef) -> str:
+        return cache_key(ref.file.identity, ref.index, self.index.columns, self.transform_version)
+
     def locate_cached(self) -> None:
         """Let cache hits skip SQLite (see :meth:`RowGroupCache.locate`)."""
         if self.cache is not None:
-            keys = [cache_key(ref.file.identity, ref.index, self.index.columns, self.transform_version)
-                    for ref in self.index.row_groups]
-            self.cache.locate(keys)
+            self.cache.locate([self.key(ref) for ref in self.index.row_groups])
 
     def load(
         self, ref: RowGroupRef, writer: CacheWriter | None = None, buffers: BufferPool | None = None
     ) -> tuple[dict[str, np.ndarray], dict[str, np.dtype], np.ndarray | None]:
         """Columns of one row group (possibly narrowed, from the cache), their logical dtypes and the
         read buffer they live in (None unless a cache hit used ``buffers``)."""
-        key = cache_key(ref.file.identity, ref.index, self.index.columns, self.transform_version)
+        key = self.key(ref)
         if self.cache is not None:
             cached = self.cache.get_pooled(key, ref.describe(), buffers)
             if cached is not None:
@@ -356,9 +357,10 @@ def load_all_row_groups(
         finally:
             pool.close()
         counters = cache.counters
+        entries, payload_bytes = cache.stored([loader.key(ref) for ref in refs])
         report = CacheWarmReport(
-            entries=len(cache),
-            bytes=cache.volume(),
+            entries=entries,
+            bytes=payload_bytes,
             hits=counters.hits,
             misses=counters.misses,
             evictions=counters.evictions,
