@@ -13,7 +13,7 @@ from training_core.base_model import BaseModelRef, load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, PublishedDataset, write_dataset
 from training_core.data.demo_task import generate_records
 from training_core.data.quality import DATASET_CHECK_NAMES, run_dataset_checks
-from training_core.data.sources import read_records
+from training_core.data.sources import ORIGINS_FILE, read_records, read_records_with_origins
 from training_core.errors import EmptyPartitionError
 from training_core.storage import directory_digest, publish_directory, staging_directory
 
@@ -40,10 +40,11 @@ class RawExamplesConfig(dg.Config):
 def raw_examples(context: dg.AssetExecutionContext, config: RawExamplesConfig, storage: TesseraStorage):
     """Source records (prompt, response) for one day, frozen as JSONL under datasets/raw/."""
     day = context.partition_key
+    origins = None
     if config.source == "demo":
         records = generate_records(day, config.records_per_partition, config.seed)
     else:
-        records = read_records(config.source.replace("{partition}", day))
+        records, origins = read_records_with_origins(config.source.replace("{partition}", day))
     if not records:
         raise EmptyPartitionError(f"partition {day}: source {config.source} has no records")
     with staging_directory(storage.folder("datasets") / "raw" / day) as staging:
@@ -51,6 +52,8 @@ def raw_examples(context: dg.AssetExecutionContext, config: RawExamplesConfig, s
             for record in records:
                 handle.write(json.dumps(record, ensure_ascii=False) + "\n")
         digest = directory_digest(staging, record_files=True)
+        if origins is not None:  # hidden, like the file digests: later errors name the user's file
+            origins.save(staging / ORIGINS_FILE)
         final = publish_directory(staging, storage.folder("datasets") / "raw" / day / digest[:16])
     context.log.info("partition %s: %d records from %s", day, len(records), config.source)
     return dg.Output(

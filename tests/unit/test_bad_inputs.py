@@ -337,3 +337,29 @@ def test_files_inside_hidden_or_underscore_folders_are_not_source_data(tmp_path)
         (tmp_path / "day" / partial).parent.mkdir(parents=True)
         (tmp_path / "day" / partial).write_text(good * 3 + '{"prompt": "cut off')
     assert read_records(tmp_path / "day") == [{"prompt": "p", "response": "r"}]
+
+
+def test_records_keep_where_they_came_from_and_an_overlong_one_names_the_users_file(tmp_path, demo_model):
+    from training_core.base_model import load_tokenizer
+    from training_core.data.sources import ORIGINS_FILE, RecordOrigins, read_records_with_origins
+
+    source = tmp_path / "source"
+    source.mkdir()
+    long_prompt = "encode: " + " ".join("abcd" * 30)
+    (source / "a.jsonl").write_text("".join(json.dumps({"prompt": f"encode: {w}", "response": "b"}) + "\n\n" for w in "abcde"))
+    (source / "b.csv").write_text(f"prompt,response\nencode: z,y\n{long_prompt},x\n")
+    (source / "c.json").write_text(json.dumps([{"prompt": "encode: q", "response": "r"}]))
+    records, origins = read_records_with_origins(source)
+    assert len(records) == 8
+    assert [origins.describe(i) for i in (0, 4, 5, 6, 7)] == [
+        f"line 1 of {source / 'a.jsonl'}", f"line 9 of {source / 'a.jsonl'}", f"line 2 of {source / 'b.csv'}",
+        f"line 3 of {source / 'b.csv'}", f"item 0 (0-based) of {source / 'c.json'}"]
+
+    frozen = tmp_path / "raw"  # what raw_examples publishes: records.jsonl plus the hidden origins
+    frozen.mkdir()
+    (frozen / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    origins.save(frozen / ORIGINS_FILE)
+    assert RecordOrigins.load(frozen / ORIGINS_FILE).describe(6) == origins.describe(6)
+    with pytest.raises(SourceDataError, match=rf"p: line 7 of .*records\.jsonl, from line 3 of .*b\.csv \(prompt"):
+        write_dataset(records, load_tokenizer(demo_model.name_or_path), tmp_path / "out", DatasetSpec(),
+                      source_label="p", records_path=str(frozen / "records.jsonl"))

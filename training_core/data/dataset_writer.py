@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training_core.data.packing import is_eval_example, pack_examples, tokenize_example
+from training_core.data.sources import ORIGINS_FILE, RecordOrigins
 from training_core.errors import ConfigError, EmptyPartitionError, SourceDataError
 from training_core.storage import directory_digest, publish_directory, staging_directory
 
@@ -93,6 +94,9 @@ def write_dataset(
         tokens = len(example.prompt_ids) + len(example.response_ids)
         if tokens > spec.seq_len:
             where = f"line {index + 1} of {records_path}" if records_path else f"record {index} (0-based)"
+            origin = RecordOrigins.load(Path(records_path).parent / ORIGINS_FILE) if records_path else None
+            if origin is not None and origin.describe(index):
+                where += f", from {origin.describe(index)}"
             raise SourceDataError(
                 f"{source_label}: {where} (prompt {record['prompt'][:40]!r}): {tokens} tokens do not fit "
                 f"seq_len={spec.seq_len}; raise seq_len or shorten the record"

@@ -11,6 +11,7 @@ import csv
 import io
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -18,6 +19,7 @@ import pyarrow.parquet as pq
 from training_core.errors import SourceDataError
 
 REQUIRED_FIELDS = ("prompt", "response")
+ORIGINS_FILE = ".origins.json"  # beside a frozen copy of records: hidden, outside its digest
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
@@ -82,7 +84,7 @@ def _validated(record: object, where: str) -> dict[str, str]:
     return clean
 
 
-def _read_jsonl(path: Path) -> Iterator[dict[str, str]]:
+def _read_jsonl(path: Path) -> Iterator[tuple[dict[str, str], int]]:
     text = _read_text(path)
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         yield from _read_json_array(path, text)
@@ -95,19 +97,24 @@ def _read_jsonl(path: Path) -> Iterator[dict[str, str]]:
         except json.JSONDecodeError as error:
             hint = " (.json files hold JSON Lines, one object per line, or one JSON array)" if path.suffix.lower() == ".json" else ""
             raise SourceDataError(f"line {line_number} of {path}: not valid JSON ({error.msg}){hint}") from error
-        yield _validated(record, f"line {line_number} of {path}")
+        yield _validated(record, f"line {line_number} of {path}"), line_number
 
 
-def _read_json_array(path: Path, text: str) -> Iterator[dict[str, str]]:
+def _starts_an_array(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+
+
+def _read_json_array(path: Path, text: str) -> Iterator[tuple[dict[str, str], int]]:
     try:
         items = json.loads(text)
     except json.JSONDecodeError as error:
         raise SourceDataError(f"line {error.lineno} of {path}: not valid JSON ({error.msg})") from error
     for index, item in enumerate(items):
-        yield _validated(item, f"item {index} (0-based) of the JSON array in {path}")
+        yield _validated(item, f"item {index} (0-based) of the JSON array in {path}"), index
 
 
-def _read_csv(path: Path) -> Iterator[dict[str, str]]:
+def _read_csv(path: Path) -> Iterator[tuple[dict[str, str], int]]:
     reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True)
     try:
         header = next(reader, [])
@@ -126,10 +133,10 @@ def _read_csv(path: Path) -> Iterator[dict[str, str]]:
             raise SourceDataError(f"line {line_number} of {path}: malformed CSV ({error})") from error
         if not cells:
             continue  # blank line
-        yield _validated(dict(zip(header, cells)), f"line {line_number} of {path}")
+        yield _validated(dict(zip(header, cells)), f"line {line_number} of {path}"), line_number
 
 
-def _read_parquet(path: Path) -> Iterator[dict[str, str]]:
+def _read_parquet(path: Path) -> Iterator[tuple[dict[str, str], int]]:
     try:
         table = pq.read_table(path)
     except Exception as error:  # pyarrow raises several types for unreadable files
@@ -138,21 +145,59 @@ def _read_parquet(path: Path) -> Iterator[dict[str, str]]:
     if missing:
         raise SourceDataError(f"{path}: schema lacks column(s) {missing}")
     for row_index, row in enumerate(table.select(list(REQUIRED_FIELDS)).to_pylist()):
-        yield _validated(row, f"row {row_index} of {path}")
+        yield _validated(row, f"row {row_index} of {path}"), row_index
+
+
+@dataclass
+class RecordOrigins:
+    """Where each record came from: (file, line / array item / row). Kept beside a frozen copy of
+    the records (hidden, outside its digest) so that a later error names the user's own file."""
+
+    files: list[tuple[str, str]] = field(default_factory=list)  # (path, "line" | "item" | "row")
+    positions: list[tuple[int, int]] = field(default_factory=list)  # (file index, number) per record
+
+    def describe(self, index: int) -> str | None:
+        if not 0 <= index < len(self.positions):
+            return None
+        file_index, number = self.positions[index]
+        path, unit = self.files[file_index]
+        return f"line {number} of {path}" if unit == "line" else f"{unit} {number} (0-based) of {path}"
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"files": self.files, "positions": self.positions}))
+
+    @classmethod
+    def load(cls, path: Path) -> "RecordOrigins | None":
+        try:
+            data = json.loads(path.read_text())
+            return cls([tuple(f) for f in data["files"]], [tuple(p) for p in data["positions"]])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # no record of origins (demo data, or frozen before they were kept)
 
 
 def read_records(source: str | Path) -> list[dict[str, str]]:
     """All records from every data file at `source`, in file order."""
+    return read_records_with_origins(source)[0]
+
+
+def read_records_with_origins(source: str | Path) -> tuple[list[dict[str, str]], RecordOrigins]:
+    """All records from every data file at `source`, in file order, and where each came from."""
     records: list[dict[str, str]] = []
+    origins = RecordOrigins()
     for path in list_source_files(source):
         suffix = path.suffix.lower()
         try:
             if suffix in (".jsonl", ".json"):
-                records.extend(_read_jsonl(path))
+                unit, rows = ("item" if suffix == ".json" and _starts_an_array(path) else "line"), _read_jsonl(path)
             elif suffix == ".csv":
-                records.extend(_read_csv(path))
+                unit, rows = "line", _read_csv(path)
             else:
-                records.extend(_read_parquet(path))
+                unit, rows = "row", _read_parquet(path)
+            origins.files.append((str(path), unit))
+            file_index = len(origins.files) - 1
+            for record, number in rows:
+                records.append(record)
+                origins.positions.append((file_index, number))
         except OSError as error:
             raise SourceDataError(f"{path}: cannot be read ({error})") from error
-    return records
+    return records, origins
