@@ -45,8 +45,8 @@ def _remove_abandoned_staging(parent: Path) -> None:
     for folder in parent.glob(f"{STAGING_PREFIX}*"):
         owner_host, _, rest = folder.name.removeprefix(STAGING_PREFIX).rpartition("-")[0].rpartition("-")
         pid = int(rest) if rest.isdigit() else None
-        try:
-            age = now - folder.stat().st_mtime
+        try:  # the newest change anywhere inside: a long write on another host is still alive
+            age = now - max([folder.stat().st_mtime] + [p.stat().st_mtime for p in folder.rglob("*")])
         except FileNotFoundError:
             continue  # its writer just published or removed it
         dead_here = owner_host == host and pid is not None and not _process_alive(pid)

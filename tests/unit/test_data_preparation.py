@@ -153,10 +153,14 @@ def test_staging_folders_of_dead_writers_are_swept_and_live_ones_kept(tmp_path):
     old = tmp_path / ".staging-0123456789abcdef"  # the earlier naming, from any host
     for folder in (dead, live, old):
         (folder / "train").mkdir(parents=True)
-    os.utime(old, (0, 0))  # older than the 6 h limit
+    os.utime(old / "train", (0, 0))  # untouched for longer than the 6 h limit
+    os.utime(old, (0, 0))
+    stalled = tmp_path / ".staging-other-host-1-ghi"  # another host's: only its age counts
+    (stalled / "train").mkdir(parents=True)
+    os.utime(stalled, (0, 0))  # the folder is old, but a file inside it is being written now
     with staging_directory(tmp_path) as staging:
         assert staging.name.startswith(f".staging-{host}-{os.getpid()}-")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, stalled.name])
 
 
 def test_publishing_over_a_damaged_copy_replaces_it(tmp_path):
