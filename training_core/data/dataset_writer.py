@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from training_core.data.packing import is_eval_example, pack_examples, tokenize_example
 from training_core.data.sources import ORIGINS_FILE, RecordOrigins
-from training_core.errors import ConfigError, EmptyPartitionError, SourceDataError
+from training_core.errors import ConfigError, EmptyPartitionError
 from training_core.storage import directory_digest, publish_directory, staging_directory
 
 
@@ -85,26 +85,25 @@ def write_dataset(
     name a record's line there."""
     if not records:
         raise EmptyPartitionError(f"{source_label}: no records to write")
-    train_examples, eval_records = [], []
+    train_examples, train_indices, eval_records = [], [], []
     for index, record in enumerate(records):
         if is_eval_example(record["prompt"], spec.eval_fraction):
             eval_records.append(record)
-            continue
-        example = tokenize_example(tokenizer, record["prompt"], record["response"])
-        tokens = len(example.prompt_ids) + len(example.response_ids)
-        if tokens > spec.seq_len:
-            where = f"line {index + 1} of {records_path}" if records_path else f"record {index} (0-based)"
-            origin = RecordOrigins.load(Path(records_path).parent / ORIGINS_FILE) if records_path else None
-            if origin is not None and origin.describe(index):
-                where += f", from {origin.describe(index)}"
-            raise SourceDataError(
-                f"{source_label}: {where} (prompt {record['prompt'][:40]!r}): {tokens} tokens do not fit "
-                f"seq_len={spec.seq_len}; raise seq_len or shorten the record"
-            )
-        train_examples.append(example)
+        else:
+            train_examples.append(tokenize_example(tokenizer, record["prompt"], record["response"]))
+            train_indices.append(index)
     if not train_examples:
         raise EmptyPartitionError(f"{source_label}: every record fell into the eval split")
-    packed = pack_examples(train_examples, spec.seq_len, tokenizer.pad_token_id, where=f"{source_label} record")
+
+    def describe(example: int) -> str:  # a training example as the user can find it
+        index = train_indices[example]
+        where = f"line {index + 1} of {records_path}" if records_path else f"record {index} (0-based)"
+        origin = RecordOrigins.load(Path(records_path).parent / ORIGINS_FILE) if records_path else None
+        if origin is not None and origin.describe(index):
+            where += f", from {origin.describe(index)}"
+        return f"{source_label}: {where} (prompt {records[index]['prompt'][:40]!r})"
+
+    packed = pack_examples(train_examples, spec.seq_len, tokenizer.pad_token_id, describe=describe)
     eval_records = eval_records[: spec.max_eval_examples]
 
     with staging_directory(output_root) as staging:

@@ -7,6 +7,7 @@ Labels are -100 on prompt and padding tokens, so the loss trains only the respon
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,9 +39,13 @@ def tokenize_example(tokenizer, prompt: str, response: str) -> TokenizedExample:
 
 
 def pack_examples(
-    examples: list[TokenizedExample], seq_len: int, pad_token_id: int, where: str = "record"
+    examples: list[TokenizedExample],
+    seq_len: int,
+    pad_token_id: int,
+    describe: Callable[[int], str] = lambda index: f"example {index}",
 ) -> dict[str, np.ndarray]:
-    """Greedy in-order packing; returns `input_ids` and `labels` as int32 arrays [rows, seq_len]."""
+    """Greedy in-order packing; returns `input_ids` and `labels` as int32 arrays [rows, seq_len].
+    `describe(index)` names an example in the error for one longer than `seq_len`."""
     rows_ids: list[list[int]] = []
     rows_labels: list[list[int]] = []
     current_ids: list[int] = []
@@ -55,7 +60,7 @@ def pack_examples(
         ids = example.prompt_ids + example.response_ids
         if len(ids) > seq_len:
             raise SourceDataError(
-                f"{where} {index}: {len(ids)} tokens do not fit seq_len={seq_len}; raise seq_len or shorten it"
+                f"{describe(index)}: {len(ids)} tokens do not fit seq_len={seq_len}; raise seq_len or shorten the record"
             )
         if len(current_ids) + len(ids) > seq_len:
             close_row()
