@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import diskcache
 import numpy as np
@@ -187,17 +187,9 @@ class RowGroupCache:
         writes a new file and deletes the old one), so a remembered path is either the complete
         entry or gone, and a missing file falls back to a normal lookup. Returns how many it found."""
         found: dict[str, str] = {}
-        groups: dict[int, list[str]] = {}
         try:
-            for key in keys:
-                groups.setdefault(self._shard_of(key), []).append(key)
-            for index, shard_keys in groups.items():  # pinned diskcache 5.6: Cache table (key, raw, filename)
-                shard = self._cache._shards[index]
-                for begin in range(0, len(shard_keys), 500):
-                    chunk = shard_keys[begin : begin + 500]
-                    marks = ",".join("?" * len(chunk))
-                    rows = shard._sql(f"SELECT key, filename FROM Cache WHERE raw = 1 AND key IN ({marks})", chunk)
-                    found.update((key, os.path.join(shard.directory, name)) for key, name in rows.fetchall() if name)
+            for shard, rows in self._rows_of(keys, "key, filename", "raw = 1 AND"):
+                found.update((key, os.path.join(shard.directory, name)) for key, name in rows if name)
         except Exception as error:  # noqa: BLE001 - only an optimization: hits then take the normal path
             logger.debug("row-group cache: locating entries failed (%s); using normal lookups", error)
             found = {}
@@ -207,18 +199,24 @@ class RowGroupCache:
     def stored(self, keys: Sequence[str]) -> tuple[int, int]:
         """(entries, payload bytes) of ``keys`` present in the cache: what one dataset holds in a
         directory other datasets and configurations share."""
+        entries = size = 0
+        for _, rows in self._rows_of(keys, "COUNT(*), SUM(size)"):
+            ((count, total),) = rows
+            entries, size = entries + count, size + (total or 0)
+        return entries, size
+
+    def _rows_of(self, keys: Sequence[str], columns: str, condition: str = "") -> Iterator[tuple[Any, list]]:
+        """``(shard, rows)`` of ``SELECT columns FROM Cache WHERE condition key IN (…)`` for ``keys``,
+        each shard asked only for its own keys, 500 at a time (pinned diskcache 5.6: Cache table)."""
         groups: dict[int, list[str]] = {}
         for key in keys:
             groups.setdefault(self._shard_of(key), []).append(key)
-        entries = size = 0
         for index, shard_keys in groups.items():
-            shard = self._cache._shards[index]  # pinned diskcache 5.6: Cache table (key, size)
+            shard = self._cache._shards[index]
             for begin in range(0, len(shard_keys), 500):
                 chunk = shard_keys[begin : begin + 500]
-                count, total = shard._sql(f"SELECT COUNT(*), SUM(size) FROM Cache WHERE key IN ({','.join('?' * len(chunk))})",
-                                          chunk).fetchone()
-                entries, size = entries + count, size + (total or 0)
-        return entries, size
+                marks = ",".join("?" * len(chunk))
+                yield shard, shard._sql(f"SELECT {columns} FROM Cache WHERE {condition} key IN ({marks})", chunk).fetchall()
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
