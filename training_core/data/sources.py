@@ -84,11 +84,15 @@ def _validated(record: object, where: str) -> dict[str, str]:
     return clean
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[dict[str, str], int]]:
+def _read_json(path: Path) -> tuple[str, Iterator[tuple[dict[str, str], int]]]:
+    """("item", records of a `.json` array) or ("line", records of JSON Lines), the file read once."""
     text = _read_text(path)
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
-        yield from _read_json_array(path, text)
-        return
+        return "item", _read_json_array(path, text)
+    return "line", _read_json_lines(path, text)
+
+
+def _read_json_lines(path: Path, text: str) -> Iterator[tuple[dict[str, str], int]]:
     for line_number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): U+2028 may sit in a string
         if not line.strip():
             continue
@@ -98,11 +102,6 @@ def _read_jsonl(path: Path) -> Iterator[tuple[dict[str, str], int]]:
             hint = " (.json files hold JSON Lines, one object per line, or one JSON array)" if path.suffix.lower() == ".json" else ""
             raise SourceDataError(f"line {line_number} of {path}: not valid JSON ({error.msg}){hint}") from error
         yield _validated(record, f"line {line_number} of {path}"), line_number
-
-
-def _starts_an_array(path: Path) -> bool:
-    with path.open("rb") as handle:
-        return handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
 def _read_json_array(path: Path, text: str) -> Iterator[tuple[dict[str, str], int]]:
@@ -188,7 +187,7 @@ def read_records_with_origins(source: str | Path) -> tuple[list[dict[str, str]],
         suffix = path.suffix.lower()
         try:
             if suffix in (".jsonl", ".json"):
-                unit, rows = ("item" if suffix == ".json" and _starts_an_array(path) else "line"), _read_jsonl(path)
+                unit, rows = _read_json(path)
             elif suffix == ".csv":
                 unit, rows = "line", _read_csv(path)
             else:
