@@ -4,6 +4,8 @@ import os
 import sys
 from pathlib import Path
 
+from training_core.errors import ConfigError
+
 INSTANCE_SETTINGS = """\
 telemetry:
   enabled: false
@@ -22,7 +24,6 @@ concurrency:
 def prepare_home(home: str | None = None) -> Path:
     """Create the state root and DAGSTER_HOME, and export both for this process."""
     from resources.paths import default_home
-    from training_core.errors import ConfigError
 
     root = Path(home).expanduser().resolve() if home else default_home()
     dagster_home = root / "dagster"

@@ -7,6 +7,8 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
+from training_core.errors import ConfigError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -32,8 +34,6 @@ class TesseraStorage(dg.ConfigurableResource):
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as error:  # a file in the way, no permission, a read-only disk
-            from training_core.errors import ConfigError
-
             raise ConfigError(f"state folder {self.root} (storage.home / TESSERA_HOME) is not usable: "
                               f"cannot create {path}: {error.strerror or error}") from error
         return path

@@ -154,10 +154,14 @@ def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo) -> tuple[ParquetFile, 
     return ParquetFile(info.path, int(info.size or 0), mtime, sizes, ranges), schema, nullable
 
 
+def is_integer_list(kind: pa.DataType) -> bool:
+    """A list (plain, large or fixed-size) of integers: the form of a token column."""
+    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    return is_list and pa.types.is_integer(kind.value_type)
+
+
 def _is_integer_or_integer_list(kind: pa.DataType) -> bool:
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-        kind = kind.value_type
-    return pa.types.is_integer(kind)
+    return pa.types.is_integer(kind) or is_integer_list(kind)
 
 
 def row_group_statistics(

@@ -10,16 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import pyarrow as pa
-
 from training_core.data.batch_columns import TRAINING_COLUMNS
-from training_core.data.parquet_files import list_parquet_files, read_footer
+from training_core.data.parquet_files import is_integer_list, list_parquet_files, read_footer
 from training_core.errors import SourceDataError
-
-
-def _is_integer_list(kind: pa.DataType) -> bool:
-    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
-    return is_list and pa.types.is_integer(kind.value_type)
 
 
 def check_training_data(train_dirs: Sequence[str], micro_batch_size: int, num_workers: int) -> int:
@@ -32,7 +25,7 @@ def check_training_data(train_dirs: Sequence[str], micro_batch_size: int, num_wo
             if name not in schema.names:
                 raise SourceDataError(f"{info.path}: no column {name!r}; it has {schema.names}")
             kind = schema.field(name).type
-            if not _is_integer_list(kind):
+            if not is_integer_list(kind):
                 raise SourceDataError(f"{info.path}: column {name!r} is {kind}; training needs lists of integer token ids")
             if name in has_nulls:
                 raise SourceDataError(f"{info.path}: column {name!r} holds nulls; training needs a full token list in every row")
