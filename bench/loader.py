@@ -46,6 +46,11 @@ SINGLE_PASS_ROUNDS = 5
 # The warm configurations whose figures are compared with each other (200 k vs 1 M rows) or with
 # a threshold (the stall) alternate the same way, this many rounds, median kept.
 WARM_ROUNDS = 3
+# Cache policies on epochs over a dataset larger than the cache: the quota holds this fraction of
+# the dataset's entries, and one reader runs this many reshuffled epochs per policy.
+CACHE_POLICIES = ("evict", "stop_admitting")
+POLICY_CACHE_FRACTION = 0.5
+POLICY_EPOCHS = 5
 
 
 def make_dataset(rows: int, directory: Path) -> Path:
@@ -233,6 +238,48 @@ def measure_order(data: str, cache_dir: str) -> dict:
     return {"identical": all(checks)}
 
 
+def measure_cache_policy(data: str, cache_dir: str, policy: str, cache_fraction: float, epochs: int) -> dict:
+    """Epochs over a dataset larger than the cache: one reader, ``epochs`` passes (each reshuffled),
+    the quota ``cache_fraction`` of what the whole dataset's entries take (found by warming a
+    scratch cache first). Per epoch: hits, misses, bytes stored and evicted, rows/s, process CPU."""
+    from training_core.data import CacheConfig, RowGroupReader, warm_cache
+    from training_core.data.cache import RowGroupCache
+
+    scratch = f"{cache_dir}-sizing"
+    for folder in (cache_dir, scratch):
+        shutil.rmtree(folder, ignore_errors=True)
+    dataset_bytes = warm_cache(data, CacheConfig(scratch, CACHE_QUOTA), workers=TESSERA_WORKERS).bytes
+    shutil.rmtree(scratch, ignore_errors=True)
+    config = CacheConfig(cache_dir, int(cache_fraction * dataset_bytes), policy=policy)
+    counters = ("cache_hits", "cache_misses", "cache_evictions", "cache_rejected", "cache_dropped")
+    per_epoch = []
+    with RowGroupReader(data, batch_size=BATCH_SIZE, seed=0, workers=TESSERA_WORKERS, cache=config) as reader:
+        for _ in range(epochs):
+            before = reader.stats.as_dict()
+            rows, began, cpu_began = 0, time.perf_counter(), time.process_time()
+            for batch in reader:  # the epoch's end stores every queued entry before it returns
+                rows += len(batch["id"])
+            elapsed, cpu_s = time.perf_counter() - began, time.process_time() - cpu_began
+            after = reader.stats.as_dict()
+            epoch = {name.removeprefix("cache_"): after[name] - before[name] for name in counters}
+            epoch.update(rows_per_s=rows / elapsed, cpu_s=cpu_s,
+                         hit_rate=epoch["hits"] / max(epoch["hits"] + epoch["misses"], 1))
+            per_epoch.append(epoch)
+    cache = RowGroupCache(config)
+    try:
+        volume = cache.volume()
+    finally:
+        cache.close()
+    later = per_epoch[1:]  # the first epoch starts from an empty cache under either policy
+    return {"policy": policy, "cache_fraction": cache_fraction, "dataset_bytes": dataset_bytes,
+            "size_limit_bytes": config.size_limit_bytes, "volume_bytes_at_end": volume,
+            "hit_rate_after_first_epoch": statistics.median(e["hit_rate"] for e in later),
+            "rows_per_s_after_first_epoch": statistics.median(e["rows_per_s"] for e in later),
+            "cpu_s_per_epoch_after_first": statistics.median(e["cpu_s"] for e in later),
+            "evictions_per_epoch_after_first": statistics.median(e["evictions"] for e in later),
+            "epochs": per_epoch}
+
+
 def _median_run(runs: list[dict], key: str = "rows_per_s") -> dict:
     """The run with the median ``key``, with every run's rows/s, process CPU (and stall, peak RSS
     where measured) under ``runs``."""
@@ -244,8 +291,15 @@ def _median_run(runs: list[dict], key: str = "rows_per_s") -> dict:
     return chosen
 
 
+def _median_round(runs: list[dict], key: str) -> dict:
+    """The round with the median ``key``, every round's ``key`` under ``rounds``."""
+    chosen = dict(sorted(runs, key=lambda run: run[key])[len(runs) // 2])
+    chosen["rounds"] = [run[key] for run in runs]
+    return chosen
+
+
 MEASUREMENTS = {"tessera": measure_tessera, "raw": measure_raw, "ray": measure_ray, "order": measure_order,
-                "dataset": measure_dataset}
+                "dataset": measure_dataset, "cache_policy": measure_cache_policy}
 
 
 def _subprocess(name: str, timeout_s: float = 900, **kwargs: Any) -> dict:
@@ -342,6 +396,14 @@ def run(output_dir: Path, quick: bool = False) -> dict:
     r["tessera_warm"] = _median_run(warm_rounds["tessera_warm"])
     r["tessera_warm_5x"] = _median_run(warm_rounds["tessera_warm_5x"])
     r["stall"] = _median_run(warm_rounds["stall"], key="stall_fraction")
+    policy_rounds: dict[str, list[dict]] = {policy: [] for policy in CACHE_POLICIES}
+    for _ in range(1 if quick else WARM_ROUNDS):
+        for policy in CACHE_POLICIES:
+            policy_rounds[policy].append(_subprocess(
+                "cache_policy", data=str(base), cache_dir=str(DATA_ROOT / f"cache-policy-{policy}"), policy=policy,
+                cache_fraction=POLICY_CACHE_FRACTION, epochs=POLICY_EPOCHS))
+    r["cache_policies"] = {policy: _median_round(runs, "rows_per_s_after_first_epoch")
+                           for policy, runs in policy_rounds.items()}
     r["tessera_slow_store_cold"] = _subprocess("tessera", data=str(base), cache_dir=slow_cache, clear_cache=True,
                                                slow_store=True)
     r["tessera_slow_store_warm"] = _subprocess("tessera", data=str(base), cache_dir=slow_cache, slow_store=True,
@@ -371,6 +433,13 @@ def run(output_dir: Path, quick: bool = False) -> dict:
         "cold_cache_fill": {key: max(run["stats"][key] for run in rounds["tessera_cold"])
                             for key in ("cache_misses", "cache_dropped")},
         "order_identical_across_workers": r["order"]["identical"],
+        # epochs over a dataset twice the cache's quota: what each policy gets after the first epoch
+        "cache_policies": {policy: {
+            **{key: run[key] for key in ("hit_rate_after_first_epoch", "rows_per_s_after_first_epoch",
+                                         "cpu_s_per_epoch_after_first", "evictions_per_epoch_after_first")},
+            "quota_respected": all(each["volume_bytes_at_end"] <= each["size_limit_bytes"]
+                                   for each in policy_rounds[policy]),
+        } for policy, run in r["cache_policies"].items()},
         "ratios": {
             "warm_vs_petastorm_warm": ratio("tessera_warm", "petastorm_warm"),
             "warm_vs_petastorm_fill": (rates["tessera_warm"] / r["petastorm_warm"]["fill_rows_per_s"]
@@ -387,7 +456,8 @@ def run(output_dir: Path, quick: bool = False) -> dict:
                   "tokens": TOKENS, "batch_size": BATCH_SIZE, "workers": TESSERA_WORKERS,
                   "petastorm_workers": list(PETASTORM_WORKERS), "warm_passes": passes,
                   "single_pass_rounds": len(rounds["tessera_cold"]), "warm_rounds": len(warm_rounds["stall"]),
-                  "demand_rows_per_s": DEMAND_ROWS_PER_S, "slow_store": SLOW_STORE, "cpus": os.cpu_count(),
+                  "demand_rows_per_s": DEMAND_ROWS_PER_S, "policy_cache_fraction": POLICY_CACHE_FRACTION,
+                  "policy_epochs": POLICY_EPOCHS, "slow_store": SLOW_STORE, "cpus": os.cpu_count(),
                   "quick": quick},
         "details": r,
     }

@@ -221,6 +221,48 @@ def test_batch_to_torch_shares_memory(ids_dataset):
         batch_to_torch({"s": np.array(["x"], dtype=object)})
 
 
+@pytest.mark.parametrize("policy", ["evict", "stop_admitting"])
+def test_epochs_over_a_dataset_larger_than_the_cache(tmp_path, policy):
+    """What the benchmark's policy comparison measures: with room for a quarter of the row
+    groups, ``stop_admitting`` keeps the first epoch's entries and hits exactly those every later
+    epoch without writing; ``evict`` stores every miss and evicts to make room. Either way the
+    quota holds and the batches are those of a reader without cache."""
+    data = write_ids_dataset(tmp_path / "ids", [(1000, 50)], token_width=512)
+    common = dict(batch_size=64, seed=5, shuffle_buffer_row_groups=2, workers=2)
+    epochs = 4
+    with RowGroupReader(data, **common) as uncached:
+        reference = [[b["id"].copy() for b in uncached] for _ in range(epochs)]
+    # one shard: its SQLite file counts too (~32 kB and growing), then ~51 kB per entry: 5 of 20 row groups fit
+    quota = 350_000
+    config = CacheConfig(tmp_path / "cache", quota, policy=policy, shards=1)
+    per_epoch = []
+    with RowGroupReader(data, cache=config, **common) as reader:
+        for epoch in range(epochs):
+            before = reader.stats
+            assert same_batches([b["id"].copy() for b in reader], reference[epoch]), f"epoch {epoch}"
+            after = reader.stats
+            per_epoch.append({name: getattr(after, f"cache_{name}") - getattr(before, f"cache_{name}")
+                              for name in ("hits", "misses", "evictions", "rejected", "dropped")})
+    from training_core.data.cache import RowGroupCache
+
+    cache = RowGroupCache(config)
+    stored_entries, volume = len(cache), cache.volume()
+    cache.close()
+    assert volume <= quota and 0 < stored_entries < 20
+    first, later = per_epoch[0], per_epoch[1:]
+    assert first["hits"] == 0 and first["misses"] == 20 and all(e["dropped"] == 0 for e in per_epoch)
+    if policy == "stop_admitting":
+        assert first["rejected"] == 20 - stored_entries and first["evictions"] == 0
+        for epoch in later:  # the same entries serve every epoch; every miss is refused, none evicts
+            assert epoch == {"hits": stored_entries, "misses": 20 - stored_entries, "evictions": 0,
+                             "rejected": 20 - stored_entries, "dropped": 0}
+    else:
+        assert first["rejected"] == 0 and first["evictions"] == 20 - stored_entries
+        for epoch in later:  # every miss is stored, each making room by evicting the oldest
+            assert epoch["rejected"] == 0 and epoch["evictions"] >= 1
+            assert epoch["hits"] + epoch["misses"] == 20
+
+
 def test_stats_report_rows_bytes_and_cache(ids_dataset, tmp_path):
     reader = RowGroupReader(ids_dataset, batch_size=100, cache=CacheConfig(tmp_path / "c", 2**26, shards=1))
     rows = sum(len(b["id"]) for b in reader)
