@@ -4,14 +4,13 @@
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from pipelines.instance import PID_TAG, fail_abandoned_runs, prepare_home
+from pipelines.instance import LAUNCHER_TAG, fail_abandoned_runs, launcher_tag, prepare_home
 
 console = Console()
 
@@ -36,7 +35,7 @@ def demo(args: argparse.Namespace) -> int:
     with console.status("materializing raw_examples → … → promoted_model (Dagster logs below)"):
         result = job.execute_in_process(
             partition_key=DEMO_PARTITION, instance=instance, raise_on_error=False,
-            tags={PID_TAG: str(os.getpid())},
+            tags={LAUNCHER_TAG: launcher_tag()},
         )
     if not result.success:
         console.print("[red]demo failed[/]; see the Dagster log above")
@@ -124,12 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     p_bench.set_defaults(handler=bench)
     args = parser.parse_args(argv)
+    from pydantic import ValidationError
+
     from training_core.errors import TesseraError
 
     try:
         return args.handler(args)
     except TesseraError as error:  # bad input we refused on purpose: the message says what to fix
         print(f"tessera {args.command}: {error}", file=sys.stderr)
+        return 2
+    except ValidationError as error:  # a setting from the environment that a resource refused
+        problems = "; ".join(f"{error.title}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        print(f"tessera {args.command}: {problems}", file=sys.stderr)
         return 2
 
 

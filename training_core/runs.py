@@ -6,12 +6,15 @@ location imports this module."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from training_core.lineage import build_lineage_record
+from training_core.storage import changed_files
 from training_core.tracking import MlflowTracking
 from training_core.train.config import TrainingConfig
 from training_core.train.result import TrainingResult
@@ -46,13 +49,18 @@ REUSE_KEYS = ("dataset_digest", "base_model_digest", "config_digest", "code_vers
 
 
 def find_reusable_run(tracking: MlflowTracking, lineage: dict[str, str]) -> TrackedRun | None:
-    """A finished, non-reproduction run with the same inputs whose model folder still exists."""
+    """A finished, non-reproduction run with the same inputs whose model folder is still as
+    published (every file matches the digest recorded then)."""
     clauses = [f"params.{key} = '{lineage[key]}'" for key in REUSE_KEYS] + ["attributes.status = 'FINISHED'"]
     runs = tracking.client.search_runs([tracking.experiment_id], filter_string=" and ".join(clauses),
                                        order_by=["attributes.start_time DESC"], max_results=20)
     for run in runs:
         model_dir = run.data.tags.get("model_dir")
         if "reproduces" in run.data.tags or not model_dir or not Path(model_dir).is_dir():
+            continue
+        if (damage := changed_files(Path(model_dir))) != []:
+            log.warning("MLflow run %s matches, but its model %s is not as published (%s): training again",
+                        run.info.run_id, model_dir, ", ".join(damage) if damage else "no digest record")
             continue
         history = tracking.loss_history(run.info.run_id)
         metrics = run.data.metrics
@@ -65,10 +73,13 @@ def find_reusable_run(tracking: MlflowTracking, lineage: dict[str, str]) -> Trac
     return None
 
 
-def ray_run_name(inputs: TrainingInputs, config: TrainingConfig, suffix: str = "") -> str:
-    """Deterministic in the inputs, so relaunching the same work resumes its checkpoints."""
+def ray_run_name(inputs: TrainingInputs, lineage: dict[str, str], suffix: str = "") -> str:
+    """Deterministic in everything that determines the result (`REUSE_KEYS`, code version
+    included), so relaunching the same work resumes its checkpoints, and a code or cache change
+    starts a fresh run instead of finishing an old one's checkpoint."""
     partitions = "+".join(inputs.partition_keys) or "all"
-    name = f"train-{partitions}-{inputs.dataset_digest[:8]}-{inputs.base_model_digest[:8]}-{config.digest()[:8]}"
+    determined_by = hashlib.sha256(json.dumps([lineage[key] for key in REUSE_KEYS]).encode()).hexdigest()
+    name = f"train-{partitions}-{inputs.dataset_digest[:8]}-{determined_by[:12]}"
     return f"{name}-{suffix}" if suffix else name
 
 
@@ -108,7 +119,7 @@ def run_tracked_training(
 
     if before_training is not None:
         before_training()
-    name = ray_run_name(inputs, config, run_name_suffix)
+    name = ray_run_name(inputs, lineage, run_name_suffix)
     run_id = tracking.start_run(name, tags={"method": config.method, **(extra_tags or {})})
     try:
         result = run_training(

@@ -74,10 +74,7 @@ def publish_directory(staging: Path, final: Path) -> Path:
         if not changed_files(final):
             shutil.rmtree(staging, ignore_errors=True)
             return final
-        damaged = final.with_name(f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-replaced-{uuid.uuid4().hex}")
-        with contextlib.suppress(FileNotFoundError):  # another writer may have moved it first
-            os.replace(final, damaged)  # out of the way in one rename
-        shutil.rmtree(damaged, ignore_errors=True)
+        _move_aside_and_remove(final)
     try:
         os.replace(staging, final)
     except OSError:
@@ -85,6 +82,25 @@ def publish_directory(staging: Path, final: Path) -> Path:
             raise
         shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def replace_directory(staging: Path, final: Path) -> Path:
+    """Publish `staging` as `final`, replacing whatever is there (a folder named by its inputs,
+    not its content: a new attempt's result wins). Readers see the old folder, no folder for
+    the instant between two renames, or the new one; never a mix."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        _move_aside_and_remove(final)
+    os.replace(staging, final)
+    return final
+
+
+def _move_aside_and_remove(folder: Path) -> None:
+    """Out of the way in one rename (to a staging name, swept if we die), then deleted."""
+    aside = folder.with_name(f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-replaced-{uuid.uuid4().hex}")
+    with contextlib.suppress(FileNotFoundError):  # another writer may have moved it first
+        os.replace(folder, aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 FILE_DIGESTS = ".file-digests.json"  # hidden: not part of the directory digest it explains

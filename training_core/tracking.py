@@ -141,7 +141,15 @@ class ModelRegistry:
             self.client.get_registered_model(self.name)
         except MlflowException:
             self.client.create_registered_model(self.name)
-        run = self.client.get_run(run_id)
-        version = self.client.create_model_version(self.name, f"{run.info.artifact_uri}/model", run_id=run_id)
+        version = self._registered_version(run_id)
+        if version is None:
+            run = self.client.get_run(run_id)
+            version = self.client.create_model_version(self.name, f"{run.info.artifact_uri}/model", run_id=run_id)
         self.client.set_registered_model_alias(self.name, self.alias, version.version)
         return str(version.version), True
+
+    def _registered_version(self, run_id: str):
+        """The version already registered for this run: a promotion killed between registering
+        and moving the alias is finished on relaunch, not registered twice."""
+        versions = self.client.search_model_versions(f"name = '{self.name}' and run_id = '{run_id}'")
+        return min(versions, key=lambda v: int(v.version)) if versions else None

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from training_core.train.checkpointing import ENGINE_DIR, MODEL_DIR, load_progress
+from training_core.train.checkpointing import ENGINE_DIR, MODEL_DIR, RAY_SNAPSHOT, load_progress
 from training_core.train.config import LoraSettings, TrainingConfig
 from training_core.train.launcher import FAULT_STEP_ENV, run_training
 
@@ -211,3 +211,11 @@ def test_relaunching_a_finished_run_reports_the_same_model_without_training(trai
     again_weights = _weights(again)
     assert again_weights.keys() == first_weights.keys()
     assert all(again_weights[key].equal(first_weights[key]) for key in first_weights)
+
+    # Ray's own checkpoint list cut off mid-write: Ray alone would refuse every relaunch; the
+    # finished checkpoint is found on disk (its manifests checked) and reported again instead.
+    snapshot = train.storage / "first-step-zero3" / RAY_SNAPSHOT
+    snapshot.write_text(snapshot.read_text()[:40])
+    third = train("first-step-zero3-relaunched-without-snapshot", _config(**ZERO3_SHORT), run_name="first-step-zero3")
+    assert third.restarts == 0 and third.loss_history == first.loss_history
+    assert all(_weights(third)[key].equal(first_weights[key]) for key in first_weights)

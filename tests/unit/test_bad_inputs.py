@@ -242,6 +242,45 @@ def test_a_fault_step_that_is_not_a_step_number_is_refused(monkeypatch, value):
         fault_step_from_env()
 
 
+def test_a_fault_step_after_the_last_step_is_refused_before_any_worker_starts(monkeypatch, tmp_path):
+    from training_core.train.launcher import FAULT_STEP_ENV, run_training
+
+    monkeypatch.setenv(FAULT_STEP_ENV, "11")
+    with pytest.raises(ConfigError, match="TESSERA_FAULT_STEP=11 would never fire: the run stops at max_steps=10"):
+        run_training(TrainingConfig(max_steps=10), model_path="unused", train_dirs=[str(tmp_path)], seq_len=64,
+                     cache_dir=None, storage_path=tmp_path, run_name="never", output_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "-1", "inf", "nan"])
+def test_a_health_check_interval_that_is_not_positive_seconds_is_refused(monkeypatch, value):
+    from training_core.train.ray_trainer import HEALTH_CHECK_INTERVAL_ENV, use_quick_health_checks
+
+    monkeypatch.setenv(HEALTH_CHECK_INTERVAL_ENV, value)
+    with pytest.raises(ConfigError, match=f"{HEALTH_CHECK_INTERVAL_ENV}='{value}': expected a number of seconds > 0"):
+        use_quick_health_checks()
+
+
+def test_a_misspelt_preemption_watcher_switch_is_refused_before_a_trainer_starts(monkeypatch):
+    from training_core.train.ray_trainer import PREEMPTION_WATCHER_ENV, use_quick_health_checks
+
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    monkeypatch.setenv(PREEMPTION_WATCHER_ENV, "of")
+    with pytest.raises(ConfigError, match=f"{PREEMPTION_WATCHER_ENV}='of'"):
+        use_quick_health_checks()
+
+
+def test_an_accelerator_the_config_contradicts_is_named_in_a_warning(monkeypatch, caplog):
+    from training_core.train.launcher import warn_about_accelerator_env
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    with caplog.at_level("WARNING", logger="training_core.train.launcher"):
+        warn_about_accelerator_env(use_gpu=False)
+        warn_about_accelerator_env(use_gpu=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "DS_ACCELERATOR='cuda' is ignored: this run's config has use_gpu=False, so its workers use 'cpu'"]
+
+
 def test_fault_step_parses_and_is_off_when_unset(monkeypatch):
     from training_core.train.launcher import FAULT_STEP_ENV, fault_step_from_env
 
@@ -258,6 +297,20 @@ def test_cli_state_folder_that_is_a_file_is_refused_without_a_traceback(tmp_path
     blocker.write_text("")
     assert main(["reproduce", "some-run", "--home", str(blocker)]) == 2
     assert f"tessera reproduce: state folder {blocker} is not usable" in capsys.readouterr().err
+
+
+def test_cli_ray_address_a_resource_refuses_is_named_without_a_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    # A fresh process: the code location reads TESSERA_RAY_ADDRESS when it is first imported.
+    env = {**os.environ, "TESSERA_RAY_ADDRESS": "head-node"}  # no port
+    done = subprocess.run([sys.executable, "-m", "pipelines.cli", "demo", "--home", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "tessera demo: ExternalRayCluster.address: Value error, Ray address 'head-node' (TESSERA_RAY_ADDRESS" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_cache_sizes_must_be_numbers(tmp_path):

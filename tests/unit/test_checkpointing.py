@@ -5,16 +5,22 @@ checkpoints are exercised in tests/integration/test_training_runs.py."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import shutil
 
 import pytest
 
 from training_core.train.checkpointing import (
     ENGINE_DIR,
+    MODEL_DIR,
     TrainingProgress,
+    find_latest_checkpoint,
     restore_checkpoint,
     save_checkpoint,
+    seal_checkpoint,
+    verify_checkpoint_files,
 )
 
 
@@ -59,3 +65,86 @@ def test_periodic_checkpoint_restores_the_engine_and_this_ranks_rng(tmp_path):
     restore_checkpoint(tmp_path, engine, 0)
     assert engine.saved == [str(tmp_path / ENGINE_DIR)] and engine.loaded == [str(tmp_path / ENGINE_DIR)]
     assert random.random() == expected
+
+
+def _checkpoint(run_directory, name: str, step: int, world_size: int, *, model: bool = False):
+    """A checkpoint folder as Ray merges it: every rank's files, each rank's manifest last."""
+    folder = run_directory / name
+    for rank in range(world_size):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ENGINE_DIR).mkdir(exist_ok=True)
+        (folder / ENGINE_DIR / f"shard-{rank}.pt").write_bytes(bytes(range(256)) * (rank + 1))
+        progress = TrainingProgress(step=step, world_size=world_size, finished=model)
+        save_checkpoint(folder, RecordingEngine(), rank, progress, LOADER_STATE, engine_state=False)
+        if model and rank == 0:
+            (folder / MODEL_DIR).mkdir()
+            (folder / MODEL_DIR / "adapter_model.safetensors").write_bytes(b"weights" * 100)
+        seal_checkpoint(folder, rank)
+    return folder
+
+
+def test_a_checkpoint_with_a_truncated_or_missing_file_is_not_resumed_from(tmp_path):
+    older = _checkpoint(tmp_path, "checkpoint_000001", step=10, world_size=2)
+    newest = _checkpoint(tmp_path, "checkpoint_000002", step=20, world_size=2)
+    assert find_latest_checkpoint(tmp_path) == newest
+
+    shard = newest / ENGINE_DIR / "shard-1.pt"  # rank 1 killed while Ray uploaded its shard
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert verify_checkpoint_files(newest, world_size=2) == [f"{ENGINE_DIR}/shard-1.pt (truncated or resized)"]
+    assert find_latest_checkpoint(tmp_path) == older
+
+    (older / "files-1.json").unlink()  # rank 1 died before sealing
+    assert verify_checkpoint_files(older, world_size=2) == ["files-1.json (missing or unreadable)"]
+    assert find_latest_checkpoint(tmp_path) is None
+
+
+def test_model_files_are_checked_byte_for_byte_against_the_manifest(tmp_path):
+    final = _checkpoint(tmp_path, "checkpoint_000003", step=30, world_size=1, model=True)
+    assert verify_checkpoint_files(final, only=MODEL_DIR) == []
+    weights = final / MODEL_DIR / "adapter_model.safetensors"
+    weights.write_bytes(b"WEIGHTS" * 100)  # same size, other bytes
+    assert verify_checkpoint_files(final, only=MODEL_DIR) == [f"{MODEL_DIR}/adapter_model.safetensors (changed)"]
+    assert verify_checkpoint_files(final, only=MODEL_DIR, check_digests=False) == []
+
+
+def test_the_final_model_is_published_whole_and_replaces_an_earlier_attempt(tmp_path):
+    from training_core.storage import changed_files
+    from training_core.train.launcher import publish_model
+
+    final = _checkpoint(tmp_path / "ray", "checkpoint_000003", step=30, world_size=1, model=True)
+    target = tmp_path / "trained" / "train-run"
+    target.mkdir(parents=True)
+    (target / "adapter_model.safetensors").write_bytes(b"half-cop")  # an earlier, killed copy
+    assert publish_model(final, target) == target
+    assert (target / "adapter_model.safetensors").read_bytes() == b"weights" * 100
+    assert changed_files(target) == []  # digests recorded: a later reuse can check the folder
+    assert [p.name for p in target.parent.iterdir()] == ["train-run"]  # no staging left behind
+
+    (final / MODEL_DIR / "adapter_model.safetensors").write_bytes(b"weights" * 50)
+    with pytest.raises(RuntimeError, match=r"damaged model: model/adapter_model.safetensors \(truncated"):
+        publish_model(final, target)
+    assert (target / "adapter_model.safetensors").read_bytes() == b"weights" * 100  # left as it was
+
+
+@pytest.mark.parametrize("damage", ["garbled", "other_ray", "folder_gone", "file_truncated"])
+def test_a_ray_checkpoint_list_ray_would_refuse_or_trust_wrongly_is_set_aside(tmp_path, damage):
+    from training_core.train.checkpointing import RAY_SNAPSHOT, set_aside_unusable_ray_snapshot
+
+    older = _checkpoint(tmp_path, "checkpoint_000001", step=10, world_size=1)
+    newest = _checkpoint(tmp_path, "checkpoint_000002", step=20, world_size=1)
+    snapshot = {"ray_version": "2.60.0", "checkpoint_results": [{"checkpoint_dir_name": p.name} for p in (older, newest)]}
+    (tmp_path / RAY_SNAPSHOT).write_text(json.dumps(snapshot))
+    assert set_aside_unusable_ray_snapshot(tmp_path, "2.60.0") is None and (tmp_path / RAY_SNAPSHOT).exists()
+
+    expected = {"garbled": "unreadable", "other_ray": "written by Ray 2.60.0, this is Ray 2.61.0",
+                "folder_gone": "gone: checkpoint_000002", "file_truncated": "damaged checkpoint"}[damage]
+    if damage == "garbled":
+        (tmp_path / RAY_SNAPSHOT).write_text('{"ray_version": "2.6')  # cut off mid-write
+    elif damage == "folder_gone":
+        shutil.rmtree(newest)
+    elif damage == "file_truncated":
+        (newest / ENGINE_DIR / "shard-0.pt").write_bytes(b"")
+    reason = set_aside_unusable_ray_snapshot(tmp_path, "2.61.0" if damage == "other_ray" else "2.60.0")
+    assert reason is not None and expected in reason
+    assert not (tmp_path / RAY_SNAPSHOT).exists() and len(list(tmp_path.glob(f"{RAY_SNAPSHOT}.unusable-*"))) == 1
+    assert find_latest_checkpoint(tmp_path) == (newest if damage in ("garbled", "other_ray") else older)

@@ -22,3 +22,42 @@ def test_log_batch_records_every_param_metric_point_and_tag_beyond_mlflow_reques
     assert run.data.metrics == {"steps": 2500.0, "restarts": 1.0, "train_loss": 1.0 / 2500, "eval_loss": 0.25}
     assert run.data.tags["model_dir"] == "/models/x"
     assert tracking.loss_history(run_id) == curve
+
+
+def test_a_finished_run_is_reused_only_while_its_model_is_as_published(tmp_path: Path):
+    from training_core.runs import REUSE_KEYS, find_reusable_run
+    from training_core.storage import directory_digest
+
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    model = tmp_path / "trained" / "train-all-x"
+    model.mkdir(parents=True)
+    (model / "adapter_model.safetensors").write_bytes(b"weights")
+    directory_digest(model, record_files=True)
+    lineage = {key: f"{key}-value" for key in REUSE_KEYS}
+    run_id = tracking.start_run("train-all-x", tags={})
+    tracking.log_batch(run_id, params=lineage, metrics={"steps": 1.0}, series={"train_loss": [(1, 2.0)]},
+                       tags={"model_dir": str(model)})
+    tracking.end_run(run_id)
+
+    reused = find_reusable_run(tracking, lineage)
+    assert reused is not None and reused.mlflow_run_id == run_id and reused.result.model_dir == str(model)
+    assert find_reusable_run(tracking, {**lineage, "code_version": "other"}) is None
+
+    (model / "adapter_model.safetensors").write_bytes(b"")  # emptied by hand, or a killed copy
+    assert find_reusable_run(tracking, lineage) is None
+
+
+def test_a_promotion_killed_before_the_alias_moved_is_finished_without_a_second_version(tmp_path: Path):
+    from training_core.tracking import ModelRegistry
+
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    registry = ModelRegistry(tracking, "adapter", "champion")
+    first, second = (tracking.start_run(name, tags={}) for name in ("first", "second"))
+    assert registry.promote(first) == ("1", True)
+    # killed between create_model_version and set_registered_model_alias:
+    source = f"{tracking.client.get_run(second).info.artifact_uri}/model"
+    tracking.client.create_model_version("adapter", source, run_id=second)
+    assert registry.promote(second) == ("2", True)
+    assert registry.champion().run_id == second
+    assert len(tracking.client.search_model_versions("name = 'adapter'")) == 2
+    assert registry.promote(second) == ("2", False)

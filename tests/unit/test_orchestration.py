@@ -81,3 +81,31 @@ def test_asset_values_between_steps_are_written_atomically(tmp_path):
         manager.dump_to_path(None, ["x" * 2**20, Unpicklable()], path)
     assert manager.load_from_path(None, path) == {"path": "/data/v1"}  # the recorded value is intact
     assert [p.name for p in tmp_path.iterdir()] == ["training_dataset"]  # no temporary file left
+
+
+def test_only_runs_whose_launcher_process_is_gone_are_failed_even_when_its_pid_was_reused():
+    import psutil
+    from dagster._core.storage.dagster_run import DagsterRun
+
+    from pipelines.instance import LAUNCHER_TAG, fail_abandoned_runs, launcher_is_gone, launcher_tag
+
+    # a PID now free (its process exited), ours with another start time, and one on another host
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    me = launcher_tag()
+    dead = f"{me.rsplit(':', 2)[0]}:{finished.stdout.strip()}:1.000"
+    reused = f"{me.rsplit(':', 2)[0]}:{psutil.Process().pid}:{psutil.Process().create_time() - 60:.3f}"
+    elsewhere = f"another-host:{finished.stdout.strip()}:1.000"
+    assert not launcher_is_gone(me)
+    assert launcher_is_gone(dead) and launcher_is_gone(reused)  # our PID, but started at another time
+    assert not launcher_is_gone(elsewhere) and not launcher_is_gone("12345")  # cannot tell: left alone
+
+    instance = dg.DagsterInstance.ephemeral()
+    runs = {name: DagsterRun(job_name="train_and_promote", run_id=f"run-{name}", status=dg.DagsterRunStatus.STARTED,
+                             tags={LAUNCHER_TAG: tag})
+            for name, tag in {"alive": me, "dead": dead, "reused": reused, "elsewhere": elsewhere}.items()}
+    for run in runs.values():
+        instance.add_run(run)
+    assert sorted(fail_abandoned_runs(instance)) == ["run-dead", "run-reused"]
+    statuses = {name: instance.get_run_by_id(run.run_id).status for name, run in runs.items()}
+    assert statuses == {"alive": dg.DagsterRunStatus.STARTED, "dead": dg.DagsterRunStatus.FAILURE,
+                        "reused": dg.DagsterRunStatus.FAILURE, "elsewhere": dg.DagsterRunStatus.STARTED}

@@ -11,7 +11,13 @@ import time
 from pathlib import Path
 
 from training_core.errors import ConfigError
-from training_core.train.checkpointing import MODEL_DIR, load_progress
+from training_core.storage import directory_digest, replace_directory, staging_directory
+from training_core.train.checkpointing import (
+    MODEL_DIR,
+    load_progress,
+    set_aside_unusable_ray_snapshot,
+    verify_checkpoint_files,
+)
 from training_core.train.config import TrainingConfig
 from training_core.train.data_preflight import check_training_data
 from training_core.train.deepspeed_config import build_deepspeed_config
@@ -39,6 +45,17 @@ def fault_step_from_env() -> int | None:
     return step
 
 
+def warn_about_accelerator_env(use_gpu: bool) -> None:
+    """Workers choose DeepSpeed's accelerator from the config (`use_gpu`), whatever
+    ``DS_ACCELERATOR`` says in the environment they inherit (a CPU test session sets "cpu"); say
+    so when the environment asks for another one, rather than ignoring it silently."""
+    wanted = "cuda" if use_gpu else "cpu"
+    raw = os.environ.get("DS_ACCELERATOR", "").strip()
+    if raw and raw != wanted:
+        log.warning("DS_ACCELERATOR=%r is ignored: this run's config has use_gpu=%s, so its workers use %r",
+                    raw, use_gpu, wanted)
+
+
 def run_training(
     config: TrainingConfig,
     *,
@@ -56,6 +73,9 @@ def run_training(
     from ray.train.torch import TorchConfig
 
     fault_step = fault_step_from_env()
+    if fault_step is not None and fault_step > config.max_steps:
+        raise ConfigError(f"{FAULT_STEP_ENV}={fault_step} would never fire: the run stops at max_steps={config.max_steps}")
+    warn_about_accelerator_env(config.use_gpu)
     check_training_data(train_dirs, config.micro_batch_size, config.num_workers)  # before any worker starts
     inputs = WorkerInputs(
         config=config.model_dump(mode="json"),
@@ -69,6 +89,7 @@ def run_training(
         launched_at=time.time(),
     )
     use_quick_health_checks()
+    set_aside_unusable_ray_snapshot(storage_path / run_name, ray.__version__)
     trainer = torch_trainer_class()(
         train_loop_per_worker,
         train_loop_config=inputs.as_dict(),
@@ -92,10 +113,7 @@ def run_training(
         raise RuntimeError(f"training run {run_name} finished without a final checkpoint")
     with result.checkpoint.as_directory() as directory:
         progress = load_progress(Path(directory))
-        final_model = output_dir / run_name
-        if final_model.exists():
-            shutil.rmtree(final_model)
-        shutil.copytree(Path(directory) / MODEL_DIR, final_model)
+        final_model = publish_model(Path(directory), output_dir / run_name)
     if progress.restarts:
         log.warning("training run %s resumed from checkpoint %d time(s)", run_name, progress.restarts)
     return TrainingResult(
@@ -107,3 +125,15 @@ def run_training(
         telemetry=progress.telemetry,
         deepspeed_config=build_deepspeed_config(config, config.num_workers),
     )
+
+
+def publish_model(checkpoint: Path, final_model: Path) -> Path:
+    """Copy the final checkpoint's model to `final_model` through a staging folder, after checking
+    it against the checkpoint's file manifest: a killed copy or a damaged upload never becomes
+    the model a later run reuses. A model already there from an earlier attempt is replaced."""
+    if problems := verify_checkpoint_files(checkpoint, only=MODEL_DIR):
+        raise RuntimeError(f"final checkpoint {checkpoint} holds a damaged model: {', '.join(problems)}")
+    with staging_directory(final_model.parent) as staging:
+        shutil.copytree(checkpoint / MODEL_DIR, staging / MODEL_DIR)
+        directory_digest(staging / MODEL_DIR, record_files=True)
+        return replace_directory(staging / MODEL_DIR, final_model)

@@ -28,6 +28,8 @@ from training_core.train.checkpointing import (
     find_latest_checkpoint,
     restore_checkpoint,
     save_checkpoint,
+    seal_checkpoint,
+    verify_checkpoint_files,
 )
 from training_core.train.config import TrainingConfig
 from training_core.train.deepspeed_config import build_deepspeed_config
@@ -66,8 +68,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     startup.mark("ray_worker_group", at=_MODULE_IMPORT_STARTED)  # Ray Train controller, workers, process group
     startup.mark("recipe_imports")  # torch, transformers, … (pulled in by unpickling this function)
     config = TrainingConfig.model_validate(inputs.config)
-    # Set here rather than through a Ray runtime_env, which costs seconds of worker start-up.
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if config.use_gpu else "cpu")
+    # Set here rather than through a Ray runtime_env, which costs seconds of worker start-up; from
+    # the config, not the inherited environment (the driver warns when that asked for another).
+    os.environ["DS_ACCELERATOR"] = "cuda" if config.use_gpu else "cpu"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     deepspeed = import_deepspeed()  # after DS_ACCELERATOR: DeepSpeed picks its accelerator at import
     import ray.train
@@ -260,6 +263,7 @@ def _report(engine, rank: int, progress: TrainingProgress, loader_state: dict,
         save_checkpoint(directory, engine, rank, progress, loader_state, engine_state=write_model is None)
         if write_model is not None:
             write_model(directory / MODEL_DIR)
+        seal_checkpoint(directory, rank)
         metrics = {"step": progress.step, "loss": progress.loss_history[-1][1] if progress.loss_history else None}
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
@@ -269,6 +273,8 @@ def _copy_finished_model(checkpoint: Checkpoint | Path, rank: int, directory: Pa
     copies its model folder instead; the other ranks write nothing."""
     if rank == 0:
         with _checkpoint_directory(checkpoint) as source:
+            if problems := verify_checkpoint_files(source, only=MODEL_DIR):
+                raise RuntimeError(f"finished checkpoint {source} holds a damaged model: {', '.join(problems)}")
             shutil.copytree(source / MODEL_DIR, directory)
 
 

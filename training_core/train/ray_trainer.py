@@ -94,11 +94,22 @@ def _pooled_processes_enabled() -> bool:
     return env_switch(POOLED_PROCESSES_ENV, default=False)  # Ray's default
 
 
+HEALTH_CHECK_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+
+
 def use_quick_health_checks() -> None:
     """Ray Train's controller polls its workers every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``; Ray's
     default added seconds to the end of every run. 0.5 s unless the environment sets it; read
-    from the driver's environment when a trainer starts."""
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    from the driver's environment when a trainer starts. A value set there is checked here: Ray
+    would fail on it only inside its controller, after the cluster was set up."""
+    raw = os.environ.setdefault(HEALTH_CHECK_INTERVAL_ENV, "0.5")
+    try:
+        interval = float(raw)
+    except ValueError:
+        interval = -1.0
+    if not 0 < interval < float("inf"):
+        raise ConfigError(f"{HEALTH_CHECK_INTERVAL_ENV}={raw!r}: expected a number of seconds > 0")
+    env_switch(PREEMPTION_WATCHER_ENV, default=True)  # refuses a typo before a trainer starts
 
 
 @functools.cache
