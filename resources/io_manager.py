@@ -27,6 +27,26 @@ class AtomicPickleIOManager(PickledObjectFilesystemIOManager):
                 temporary.unlink()
 
 
+    def _load_partition_from_path(self, context: dg.InputContext, partition_key: str, path, backcompat_path=None):
+        try:
+            return super()._load_partition_from_path(context, partition_key, path, backcompat_path)
+        except FileNotFoundError as error:  # a day inside a training window was never materialized
+            raise FileNotFoundError(_never_materialized(context, f"partition {partition_key}", path)) from error
+
+    def _load_single_input(self, path, context: dg.InputContext):
+        try:
+            return super()._load_single_input(path, context)
+        except FileNotFoundError as error:
+            raise FileNotFoundError(_never_materialized(context, "", path)) from error
+
+
+def _never_materialized(context: dg.InputContext, which: str, path) -> str:
+    upstream = context.asset_key.to_user_string() if context.has_asset_key else context.upstream_output.name
+    what = f"{upstream} {which}".strip()
+    return (f"input {context.name!r} needs {what}, which has not been materialized here (no stored value "
+            f"at {path}); materialize {what} first (a backfill over the window's days does it)")
+
+
 class AtomicFilesystemIOManager(dg.FilesystemIOManager):
     """`FilesystemIOManager` (same `base_dir` rule: the instance's storage folder by default) with
     atomic writes."""

@@ -109,3 +109,27 @@ def test_only_runs_whose_launcher_process_is_gone_are_failed_even_when_its_pid_w
     statuses = {name: instance.get_run_by_id(run.run_id).status for name, run in runs.items()}
     assert statuses == {"alive": dg.DagsterRunStatus.STARTED, "dead": dg.DagsterRunStatus.FAILURE,
                         "reused": dg.DagsterRunStatus.FAILURE, "elsewhere": dg.DagsterRunStatus.STARTED}
+
+
+def test_a_window_day_never_materialized_is_named_with_what_to_materialize(tmp_path):
+    from assets.partitions import DAILY, TRAINING_WINDOW
+    from resources.io_manager import AtomicFilesystemIOManager
+
+    @dg.asset(partitions_def=DAILY)
+    def daily_rows(context):
+        return context.partition_key
+
+    @dg.asset(partitions_def=DAILY, ins={"daily_rows": dg.AssetIn(partition_mapping=TRAINING_WINDOW)})
+    def windowed(daily_rows):
+        return daily_rows
+
+    resources = {"io_manager": AtomicFilesystemIOManager(base_dir=str(tmp_path))}
+    with dg.instance_for_test() as instance:
+        assert dg.materialize([daily_rows], partition_key="2026-11-03", instance=instance, resources=resources).success
+        with pytest.raises(FileNotFoundError) as raised:  # 2026-11-02 is in the window
+            dg.materialize([daily_rows, windowed], selection=[windowed], partition_key="2026-11-03",
+                           instance=instance, resources=resources)
+    message = str(raised.value)
+    assert message.startswith("input 'daily_rows' needs daily_rows partition 2026-11-02, which has not been "
+                                 "materialized here (no stored value at ")
+    assert message.endswith("materialize daily_rows partition 2026-11-02 first (a backfill over the window's days does it)")
