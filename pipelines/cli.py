@@ -10,7 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from pipelines.instance import LAUNCHER_TAG, fail_abandoned_runs, launcher_tag, prepare_home
+from pipelines.instance import LAUNCHER_TAG, fail_abandoned_runs, prepare_home
+from training_core.process_identity import this_process
 
 console = Console()
 
@@ -35,7 +36,7 @@ def demo(args: argparse.Namespace) -> int:
     with console.status("materializing raw_examples → … → promoted_model (Dagster logs below)"):
         result = job.execute_in_process(
             partition_key=DEMO_PARTITION, instance=instance, raise_on_error=False,
-            tags={LAUNCHER_TAG: launcher_tag()},
+            tags={LAUNCHER_TAG: this_process()},
         )
     if not result.success:
         console.print("[red]demo failed[/]; see the Dagster log above")

@@ -1,7 +1,6 @@
 """The local Dagster instance under $TESSERA_HOME/dagster: telemetry off, training pool of 1."""
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -40,32 +39,7 @@ def prepare_home(home: str | None = None) -> Path:
     return root
 
 
-LAUNCHER_TAG = "tessera/launcher"  # "<host>:<pid>:<process start time>" of the launching process
-
-
-def launcher_tag() -> str:
-    """This process, identified so that a later process reusing its PID is not taken for it."""
-    import psutil
-
-    return f"{socket.gethostname()}:{os.getpid()}:{psutil.Process().create_time():.3f}"
-
-
-def launcher_is_gone(tag: str) -> bool:
-    """True only when the tagged process certainly no longer runs: same host, and its PID is free
-    or now belongs to a process started at another time. A launcher on another host is never
-    judged from here (its own `tessera` or the daemon's run monitoring handles it)."""
-    import psutil
-
-    rest = tag.split(":")
-    if len(rest) < 3 or not rest[-2].isdigit():
-        return False  # not written by launcher_tag: leave the run alone
-    host, pid, started = ":".join(rest[:-2]), int(rest[-2]), rest[-1]
-    if host != socket.gethostname():
-        return False
-    try:
-        return f"{psutil.Process(pid).create_time():.3f}" != started
-    except psutil.NoSuchProcess:
-        return True
+LAUNCHER_TAG = "tessera/launcher"  # `this_process()` of the launching process: host, PID, start time
 
 
 def fail_abandoned_runs(instance) -> list[str]:
@@ -74,11 +48,13 @@ def fail_abandoned_runs(instance) -> list[str]:
     (Under `dagster dev` the daemon's run monitoring does this.)"""
     import dagster as dg
 
+    from training_core.process_identity import process_is_gone
+
     abandoned = []
     in_flight = dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING])
     for run in instance.get_runs(filters=in_flight):
         launcher = run.tags.get(LAUNCHER_TAG)
-        if launcher is None or not launcher_is_gone(launcher):
+        if launcher is None or not process_is_gone(launcher):
             continue
         instance.report_run_failed(run, f"launcher process {launcher} is gone; marked failed by tessera")
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)

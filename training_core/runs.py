@@ -120,6 +120,8 @@ def run_tracked_training(
     if before_training is not None:
         before_training()
     name = ray_run_name(inputs, lineage, run_name_suffix)
+    for abandoned in tracking.end_abandoned_runs():
+        log.warning("MLflow run %s was left RUNNING by a process that is gone: marked KILLED", abandoned)
     run_id = tracking.start_run(name, tags={"method": config.method, **(extra_tags or {})})
     try:
         result = run_training(

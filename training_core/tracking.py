@@ -15,6 +15,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+PROCESS_TAG = "tessera.process"  # host:pid:start time of the process that started the run
+
 
 class MlflowTracking:
     def __init__(self, tracking_uri: str, artifact_root: Path, experiment: str = "tessera"):
@@ -30,7 +32,26 @@ class MlflowTracking:
             self.experiment_id = existing.experiment_id
 
     def start_run(self, run_name: str, tags: dict[str, str]) -> str:
+        from training_core.process_identity import this_process
+
+        tags = {PROCESS_TAG: this_process(), **tags}
         return self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+
+    def end_abandoned_runs(self) -> list[str]:
+        """Mark KILLED the RUNNING runs whose process is gone (killed mid-training: it could not
+        end its run), so the MLflow UI does not show them running forever. Returns their ids."""
+        from mlflow.entities import ViewType
+
+        from training_core.process_identity import process_is_gone
+
+        running = self.client.search_runs([self.experiment_id], "attributes.status = 'RUNNING'",
+                                          run_view_type=ViewType.ACTIVE_ONLY, max_results=1000)
+        abandoned = [run.info.run_id for run in running
+                     if process_is_gone(run.data.tags.get(PROCESS_TAG, ""))]
+        for run_id in abandoned:
+            self.client.set_tag(run_id, "tessera.ended_by", "a later run: its process was gone")
+            self.client.set_terminated(run_id, status="KILLED")
+        return abandoned
 
     def log_training(self, run_id: str, *, lineage: dict[str, str], config: dict, result, dataset_paths: list[str]) -> None:
         from training_core.plots import plot_loss_curve, plot_step_time

@@ -61,3 +61,21 @@ def test_a_promotion_killed_before_the_alias_moved_is_finished_without_a_second_
     assert registry.champion().run_id == second
     assert len(tracking.client.search_model_versions("name = 'adapter'")) == 2
     assert registry.promote(second) == ("2", False)
+
+
+def test_runs_left_running_by_a_killed_process_are_marked_killed(tmp_path: Path):
+    import subprocess
+    import sys
+
+    from training_core.tracking import PROCESS_TAG
+
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    ours = tracking.start_run("ours", tags={})
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = tracking.client.get_run(ours).data.tags[PROCESS_TAG].rsplit(":", 2)[0]
+    killed = tracking.start_run("killed", tags={PROCESS_TAG: f"{host}:{exited.stdout.strip()}:1.000"})
+    untagged = tracking.start_run("untagged", tags={PROCESS_TAG: ""})
+
+    assert tracking.end_abandoned_runs() == [killed]
+    status = {run_id: tracking.client.get_run(run_id).info.status for run_id in (ours, killed, untagged)}
+    assert status == {ours: "RUNNING", killed: "KILLED", untagged: "RUNNING"}

@@ -87,17 +87,18 @@ def test_only_runs_whose_launcher_process_is_gone_are_failed_even_when_its_pid_w
     import psutil
     from dagster._core.storage.dagster_run import DagsterRun
 
-    from pipelines.instance import LAUNCHER_TAG, fail_abandoned_runs, launcher_is_gone, launcher_tag
+    from pipelines.instance import LAUNCHER_TAG, fail_abandoned_runs
+    from training_core.process_identity import process_is_gone, this_process
 
     # a PID now free (its process exited), ours with another start time, and one on another host
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    me = launcher_tag()
+    me = this_process()
     dead = f"{me.rsplit(':', 2)[0]}:{finished.stdout.strip()}:1.000"
     reused = f"{me.rsplit(':', 2)[0]}:{psutil.Process().pid}:{psutil.Process().create_time() - 60:.3f}"
     elsewhere = f"another-host:{finished.stdout.strip()}:1.000"
-    assert not launcher_is_gone(me)
-    assert launcher_is_gone(dead) and launcher_is_gone(reused)  # our PID, but started at another time
-    assert not launcher_is_gone(elsewhere) and not launcher_is_gone("12345")  # cannot tell: left alone
+    assert not process_is_gone(me)
+    assert process_is_gone(dead) and process_is_gone(reused)  # our PID, but started at another time
+    assert not process_is_gone(elsewhere) and not process_is_gone("12345")  # cannot tell: left alone
 
     instance = dg.DagsterInstance.ephemeral()
     runs = {name: DagsterRun(job_name="train_and_promote", run_id=f"run-{name}", status=dg.DagsterRunStatus.STARTED,
