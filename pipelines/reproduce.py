@@ -3,13 +3,14 @@
 import uuid
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from resources import MlflowTracker, RowGroupCache, TesseraStorage
 from training_core.data.window import eval_records
 from training_core.errors import LineageError
 from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
-from training_core.reproduce import compare_runs, load_recorded_run
+from training_core.reproduce import compare_runs, lineage_drift, load_recorded_run
 from training_core.runs import run_tracked_training
 
 
@@ -21,8 +22,9 @@ def reproduce_run(run_id: str, console: Console) -> int:
     try:
         recorded = load_recorded_run(tracking, run_id, str(RowGroupCache(storage=storage).config().directory))
     except LineageError as error:
-        console.print(f"[red]cannot reproduce:[/] {error}")
+        console.print(f"[red]cannot reproduce:[/] {escape(str(error))}")  # paths and JSON may hold "[...]"
         return 2
+    print_drift(console, run_id, lineage_drift(recorded.params))
     if not ray.is_initialized():
         ray.init(logging_level="warning")
     tracked = run_tracked_training(
@@ -42,6 +44,16 @@ def reproduce_run(run_id: str, console: Console) -> int:
         table.add_row(name, _fmt(a), _fmt(b), "[green]yes[/]" if equal else "[red]NO[/]")
     console.print(table)
     return 0 if all(equal for *_, equal in rows) else 1
+
+
+def print_drift(console: Console, run_id: str, drift: list[tuple[str, str, str]]) -> None:
+    """Code and package versions that changed since the run: a warning (metrics may then differ)."""
+    if not drift:
+        return
+    console.print(f"[yellow]note:[/] run {run_id} was recorded with other versions than this environment; "
+                  f"metrics may differ:")
+    for key, recorded, now in drift:
+        console.print(f"  {key}: {recorded} → {now}", markup=False, highlight=False)
 
 
 def _fmt(value) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import subprocess
 from pathlib import Path
 
@@ -30,6 +31,28 @@ def package_versions() -> dict[str, str]:
     return {f"version_{name}": importlib.metadata.version(name) for name in TRACKED_PACKAGES}
 
 
+def installed_version(package: str) -> str:
+    """The installed version, or "not installed" (a recorded run may name a package this
+    environment no longer has)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def parse_dataset_paths(value: str) -> list[str]:
+    """The `dataset_paths` param as written by :func:`build_lineage_record`: a JSON list, or a
+    comma-separated string for runs recorded before paths could hold a comma (published datasets
+    are absolute paths or URIs, so never start with "["). Raises ValueError when the JSON is not a
+    list of strings."""
+    if not value.startswith("["):
+        return [path for path in value.split(",") if path]
+    paths = json.loads(value)
+    if not isinstance(paths, list) or not all(isinstance(path, str) for path in paths):
+        raise ValueError(f"expected a JSON list of path strings, got {value!r}")
+    return paths
+
+
 def build_lineage_record(
     *,
     seed: int,
@@ -48,7 +71,8 @@ def build_lineage_record(
         "seed": str(seed),
         "data_seed": str(data_seed),
         "dataset_digest": dataset_digest,
-        "dataset_paths": ",".join(dataset_paths),
+        # JSON, not ",".join: a path may contain a comma (`parse_dataset_paths` reads both forms)
+        "dataset_paths": json.dumps(list(dataset_paths)),
         "cache_version": cache_version,
         "base_model": base_model,
         "base_model_digest": base_model_digest,

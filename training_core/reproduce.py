@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from training_core.data import cache_version
 from training_core.data.batch_columns import TRAINING_COLUMNS
 from training_core.data.window import window_digest
-from training_core.errors import LineageError
+from training_core.errors import ConfigError, LineageError
+from training_core.lineage import code_version, installed_version, parse_dataset_paths
 from training_core.runs import TrainingInputs
 from training_core.storage import changed_files, directory_digest
 from training_core.tracking import MlflowTracking
 from training_core.train.config import TrainingConfig, parse_training_config
 
 TRANSFORM_VERSION = "none"  # the training reader applies no transform
+CONFIG_ARTIFACT = "training_config.json"
+LINEAGE_PARAMS = (
+    "dataset_paths", "dataset_digest", "base_model", "base_model_digest", "cache_version", "config_digest",
+)
 
 
 @dataclass(frozen=True)
@@ -28,20 +36,16 @@ class RecordedRun:
 
 def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: str | None) -> RecordedRun:
     """Read the lineage record and verify every input still exists with the recorded digest."""
-    client = tracking.client
-    try:
-        run = client.get_run(run_id)
-    except Exception as error:  # MlflowException: RESOURCE_DOES_NOT_EXIST
-        raise LineageError(f"MLflow run {run_id} not found at {tracking.tracking_uri}") from error
+    run = _finished_run(tracking, run_id)
     params = run.data.params
-    missing = [k for k in ("dataset_paths", "dataset_digest", "base_model", "base_model_digest", "cache_version") if k not in params]
+    missing = [k for k in LINEAGE_PARAMS if k not in params]
     if missing:
         raise LineageError(f"run {run_id} lacks lineage params {missing}; it was not recorded by Tessera")
-    config = parse_training_config(json.loads(Path(client.download_artifacts(run_id, "training_config.json")).read_text()))
-    if config.digest() != params.get("config_digest"):
-        raise LineageError(f"run {run_id}: training_config.json does not match its recorded config_digest")
+    config = _recorded_config(tracking, run_id)
+    if config.digest() != params["config_digest"]:
+        raise LineageError(f"run {run_id}: {CONFIG_ARTIFACT} does not match its recorded config_digest")
 
-    datasets = [Path(p) for p in params["dataset_paths"].split(",")]
+    datasets = [Path(p) for p in _recorded_dataset_paths(run_id, params["dataset_paths"])]
     digests = []
     for dataset in datasets:
         if not dataset.is_dir():
@@ -63,18 +67,102 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
         if directory_digest(base) != params["base_model_digest"]:
             raise LineageError(f"run {run_id}: base model {base} no longer matches its recorded digest"
                                + _which_files([base]))
-    manifest = json.loads((datasets[0] / "manifest.json").read_text())
     inputs = TrainingInputs(
         base_model=params["base_model"],
         base_model_digest=params["base_model_digest"],
         dataset_paths=[str(d) for d in datasets],
         dataset_digest=params["dataset_digest"],
-        seq_len=int(manifest["spec"]["seq_len"]),
+        seq_len=_seq_len(run_id, datasets[0]),
         cache_directory=cache_directory,
         cache_version=params["cache_version"],
         partition_keys=[k for k in params.get("partition_keys", "").split(",") if k],
     )
     return RecordedRun(run_id, config, inputs, params)
+
+
+def lineage_drift(params: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(param, recorded, now) for the code version and each recorded `version_<package>` that
+    differ from this environment: a reason results may differ, not a reason to refuse."""
+    current = {key: installed_version(key.removeprefix("version_")) for key in params if key.startswith("version_")}
+    if "code_version" in params:
+        current["code_version"] = code_version()
+    return [(key, params[key], now) for key, now in sorted(current.items()) if params[key] != now]
+
+
+def _finished_run(tracking: MlflowTracking, run_id: str):
+    """The MLflow run, refused unless it FINISHED: only a finished run has lineage and results."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE, RESOURCE_DOES_NOT_EXIST, ErrorCode
+
+    try:
+        run = tracking.client.get_run(run_id)
+    except MlflowException as error:
+        if error.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+            raise LineageError(f"MLflow run {run_id} not found at {tracking.tracking_uri}") from error
+        if error.error_code == ErrorCode.Name(INVALID_PARAMETER_VALUE):
+            raise LineageError(f"{run_id!r} is not an MLflow run id (a 32-character hex id, "
+                               f"as shown in the MLflow UI)") from error
+        raise _unreadable_store(tracking, run_id, error.message) from error
+    except Exception as error:  # a store MLflow does not wrap (network, driver): still not "not found"
+        raise _unreadable_store(tracking, run_id, str(error)) from error
+    status = run.info.status
+    if status in ("RUNNING", "SCHEDULED"):
+        raise LineageError(
+            f"MLflow run {run_id} is still running ({status}); wait for it or, if its process died, "
+            f"rematerialize lora_adapter (training resumes from its checkpoints in a new MLflow run) "
+            f"and reproduce that run")
+    if status != "FINISHED":
+        raise LineageError(f"MLflow run {run_id} ended {status}: it did not finish, so it has no results "
+                           f"to compare against; reproduce a FINISHED run")
+    return run
+
+
+def _unreadable_store(tracking: MlflowTracking, run_id: str, reason: str) -> LineageError:
+    return LineageError(f"cannot read MLflow run {run_id} from the tracking store at {tracking.tracking_uri}: "
+                        f"{reason} (is the store locked by another process or damaged?)")
+
+
+def _recorded_config(tracking: MlflowTracking, run_id: str) -> TrainingConfig:
+    """The run's resolved config artifact, parsed and validated."""
+    from mlflow.exceptions import MlflowException
+
+    # Our own folder, removed on exit: without dst_path MLflow downloads into a temp folder it keeps.
+    with tempfile.TemporaryDirectory(prefix="tessera-reproduce-") as folder:
+        try:
+            text = Path(tracking.client.download_artifacts(run_id, CONFIG_ARTIFACT, folder)).read_bytes()
+        except (MlflowException, OSError) as error:
+            raise LineageError(f"run {run_id}: cannot read its artifact {CONFIG_ARTIFACT} from "
+                               f"{tracking.tracking_uri}: {error}") from error
+    try:
+        values = json.loads(text)
+    except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
+        raise LineageError(f"run {run_id}: artifact {CONFIG_ARTIFACT} is not valid JSON: {error}") from error
+    if not isinstance(values, dict):
+        raise LineageError(f"run {run_id}: artifact {CONFIG_ARTIFACT} holds a JSON {type(values).__name__}, "
+                           f"not a config object")
+    try:
+        return parse_training_config(values)
+    except (ConfigError, ValidationError) as error:
+        raise LineageError(f"run {run_id}: artifact {CONFIG_ARTIFACT} is not a valid training config "
+                           f"for this code: {error}") from error
+
+
+def _recorded_dataset_paths(run_id: str, value: str) -> list[str]:
+    try:
+        paths = parse_dataset_paths(value)
+    except ValueError as error:
+        raise LineageError(f"run {run_id}: param dataset_paths is not a list of paths: {error}") from error
+    if not paths or not all(path.strip() for path in paths):
+        raise LineageError(f"run {run_id}: param dataset_paths {value!r} names no dataset (or a blank one)")
+    return paths
+
+
+def _seq_len(run_id: str, dataset: Path) -> int:
+    manifest = dataset / "manifest.json"
+    try:
+        return int(json.loads(manifest.read_text())["spec"]["seq_len"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise LineageError(f"run {run_id}: cannot read spec.seq_len from {manifest}: {error!r}") from error
 
 
 def compare_runs(tracking: MlflowTracking, original_id: str, reproduced_id: str) -> list[tuple[str, float | None, float | None, bool]]:

@@ -75,7 +75,7 @@ def test_training_run_records_the_full_lineage_in_mlflow(demo_run):
     assert params["base_model_digest"] == base.digest
     assert params["partition_keys"] == DEMO_PARTITION
     assert params["dagster_run_id"] == result.run_id
-    assert params["dataset_paths"] == dataset.path
+    assert json.loads(params["dataset_paths"]) == [dataset.path]
     assert [d.dataset.digest for d in run.inputs.dataset_inputs] == [dataset.digest[:16]]
     history = client.get_metric_history(run.info.run_id, "train_loss")
     assert len(history) == int(run.data.metrics["steps"]) and history[-1].value < history[0].value
@@ -153,7 +153,7 @@ def test_training_window_spans_the_last_two_days(demo_run):
     assert trained.success
     run = MlflowClient(f"sqlite:///{home / 'mlflow.db'}").get_run(trained.output_for_node("lora_adapter").mlflow_run_id)
     assert run.data.params["partition_keys"] == f"{DEMO_PARTITION},{next_day}"
-    paths = run.data.params["dataset_paths"].split(",")
+    paths = json.loads(run.data.params["dataset_paths"])
     assert paths[0] == first.output_for_node("training_dataset").path
     assert paths[1] == data.output_for_node("training_dataset").path
 

@@ -1,0 +1,210 @@
+"""`tessera reproduce RUN_ID` on bad input: each case is a LineageError naming the run and the fault,
+never a traceback. Runs are recorded in a real SQLite MLflow store, with the real lineage writer."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import tempfile
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from training_core.data import cache_version
+from training_core.data.batch_columns import TRAINING_COLUMNS
+from training_core.data.window import window_digest
+from training_core.errors import LineageError
+from training_core.lineage import build_lineage_record, code_version, parse_dataset_paths
+from training_core.reproduce import CONFIG_ARTIFACT, TRANSFORM_VERSION, lineage_drift, load_recorded_run
+from training_core.storage import directory_digest
+from training_core.tracking import MlflowTracking
+from training_core.train.config import TrainingConfig
+
+SEQ_LEN = 32
+
+
+@pytest.fixture
+def tracking(tmp_path: Path) -> MlflowTracking:
+    return MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+
+
+def _published_dataset(folder: Path) -> Path:
+    """A stand-in for a published dataset: what reproduce digests and reads (manifest seq_len)."""
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"spec": {"seq_len": SEQ_LEN}}))
+    (folder / "train").mkdir()
+    (folder / "train" / "part-000.parquet").write_bytes(f"rows of {folder.name}".encode())
+    return folder
+
+
+def _record_run(
+    tracking: MlflowTracking,
+    tmp_path: Path,
+    datasets: list[Path],
+    *,
+    status: str | None = "FINISHED",
+    drop: tuple[str, ...] = (),
+    overrides: dict[str, str] | None = None,
+    config_text: str | None = None,
+) -> str:
+    """A run as `run_tracked_training` leaves it: lineage params, the config artifact, a status
+    (None: never ended, as while training). `config_text=""` logs no config artifact."""
+    config = TrainingConfig()
+    digests = [directory_digest(d) for d in datasets]
+    params = build_lineage_record(
+        seed=config.seed, data_seed=config.data_seed,
+        dataset_digest=window_digest(digests), dataset_paths=[str(d) for d in datasets],
+        cache_version=window_digest([cache_version(d, TRAINING_COLUMNS, TRANSFORM_VERSION) for d in digests]),
+        base_model="org/tiny", base_model_digest="hub:org/tiny", config_digest=config.digest(),
+        dagster_run_id="dagster-run", partition_keys=["2026-11-01"],
+    )
+    params = {k: v for k, v in {**params, **(overrides or {})}.items() if k not in drop}
+    run_id = tracking.start_run("train-test", tags={})
+    tracking.log_batch(run_id, params=params)
+    if config_text != "":
+        artifact = tmp_path / f"upload-{run_id}" / CONFIG_ARTIFACT
+        artifact.parent.mkdir()
+        artifact.write_text(config_text if config_text is not None else json.dumps(config.model_dump(mode="json")))
+        tracking.client.log_artifact(run_id, str(artifact))
+    if status is not None:
+        tracking.end_run(run_id, status=status)
+    return run_id
+
+
+def _refusal(tracking: MlflowTracking, run_id: str) -> str:
+    with pytest.raises(LineageError) as caught:
+        load_recorded_run(tracking, run_id, cache_directory=None)
+    message = str(caught.value)
+    assert run_id in message, message
+    return message
+
+
+def test_a_finished_run_with_a_comma_in_its_dataset_path_round_trips(tracking, tmp_path):
+    dataset = _published_dataset(tmp_path / "datasets" / "day,2026-11-01")
+    run_id = _record_run(tracking, tmp_path, [dataset])
+
+    assert json.loads(tracking.client.get_run(run_id).data.params["dataset_paths"]) == [str(dataset)]
+    recorded = load_recorded_run(tracking, run_id, cache_directory=None)
+    assert recorded.inputs.dataset_paths == [str(dataset)]
+    assert recorded.inputs.seq_len == SEQ_LEN
+    assert recorded.config == TrainingConfig()
+
+
+def test_runs_recorded_with_comma_separated_dataset_paths_are_still_read(tracking, tmp_path):
+    first, second = (_published_dataset(tmp_path / "datasets" / day) for day in ("2026-11-01", "2026-11-02"))
+    run_id = _record_run(tracking, tmp_path, [first, second], overrides={"dataset_paths": f"{first},{second}"})
+
+    assert load_recorded_run(tracking, run_id, cache_directory=None).inputs.dataset_paths == [str(first), str(second)]
+
+
+@pytest.mark.parametrize("value", ["[]", "", '[""]'])
+def test_a_run_naming_no_dataset_is_refused(tracking, tmp_path, value):
+    run_id = _record_run(tracking, tmp_path, [_published_dataset(tmp_path / "d")], overrides={"dataset_paths": value})
+    assert "dataset_paths" in _refusal(tracking, run_id)
+
+
+def test_dataset_paths_that_are_json_but_not_a_list_of_paths_are_refused(tracking, tmp_path):
+    with pytest.raises(ValueError, match="JSON list of path strings"):
+        parse_dataset_paths('[1, 2]')
+    run_id = _record_run(tracking, tmp_path, [_published_dataset(tmp_path / "d")], overrides={"dataset_paths": "[oops"})
+    assert "param dataset_paths is not a list of paths" in _refusal(tracking, run_id)
+
+
+def test_a_run_still_running_is_refused_with_what_to_do(tracking, tmp_path):
+    run_id = _record_run(tracking, tmp_path, [_published_dataset(tmp_path / "d")], status=None)
+    message = _refusal(tracking, run_id)
+    assert "still running" in message and "if its process died" in message
+
+
+@pytest.mark.parametrize("status", ["FAILED", "KILLED"])
+def test_a_run_that_did_not_finish_is_refused(tracking, tmp_path, status):
+    # lineage params are only logged once training succeeded, so a failed run usually has none
+    run_id = tracking.start_run("train-test", tags={})
+    tracking.end_run(run_id, status=status)
+    message = _refusal(tracking, run_id)
+    assert f"ended {status}" in message and "did not finish" in message
+    assert "lacks lineage params" not in message
+
+
+def test_a_run_without_config_digest_is_refused(tracking, tmp_path):
+    run_id = _record_run(tracking, tmp_path, [_published_dataset(tmp_path / "d")], drop=("config_digest",))
+    assert "lacks lineage params ['config_digest']" in _refusal(tracking, run_id)
+
+
+def test_a_missing_config_artifact_is_named(tracking, tmp_path):
+    run_id = _record_run(tracking, tmp_path, [_published_dataset(tmp_path / "d")], config_text="")
+    assert f"cannot read its artifact {CONFIG_ARTIFACT}" in _refusal(tracking, run_id)
+
+
+@pytest.mark.parametrize(("text", "fault"), [
+    ('{"seed": 0,', "is not valid JSON"),
+    ("\xff\xfe garbage", "is not valid JSON"),
+    ("[1, 2]", "holds a JSON list, not a config object"),
+    ('{"micro_batch_size": 8, "no_such_field": 1}', "no_such_field"),
+])
+def test_a_garbled_config_artifact_is_named(tracking, tmp_path, text, fault):
+    run_id = _record_run(tracking, tmp_path, [_published_dataset(tmp_path / "d")], config_text=text)
+    message = _refusal(tracking, run_id)
+    assert CONFIG_ARTIFACT in message and fault in message
+
+
+def test_a_config_artifact_that_differs_from_its_digest_is_refused(tracking, tmp_path):
+    edited = json.dumps(TrainingConfig(max_steps=7).model_dump(mode="json"))
+    run_id = _record_run(tracking, tmp_path, [_published_dataset(tmp_path / "d")], config_text=edited)
+    assert "does not match its recorded config_digest" in _refusal(tracking, run_id)
+
+
+def test_the_config_is_downloaded_into_a_folder_that_is_removed(tracking, tmp_path, monkeypatch):
+    run_id = _record_run(tracking, tmp_path, [_published_dataset(tmp_path / "d")])
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    load_recorded_run(tracking, run_id, cache_directory=None)
+    assert list(scratch.iterdir()) == []
+
+
+def test_an_unknown_run_and_a_malformed_id_are_told_apart(tracking):
+    assert "not found at sqlite:" in _refusal(tracking, "0123456789abcdef0123456789abcdef")
+    assert "is not an MLflow run id" in _refusal(tracking, "not a run!")
+
+
+def test_a_damaged_store_is_not_reported_as_a_missing_run(tracking, tmp_path):
+    run_id = _record_run(tracking, tmp_path, [_published_dataset(tmp_path / "d")])
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:  # damaged: the runs table is gone
+        db.execute("PRAGMA foreign_keys = OFF")
+        db.execute("DROP TABLE runs")
+    message = _refusal(tracking, run_id)
+    assert f"from the tracking store at {tracking.tracking_uri}" in message
+    assert "not found" not in message
+
+
+def test_drift_names_changed_code_and_package_versions_only():
+    params = {"code_version": "0" * 40, "version_torch": "0.0.1", "version_pyarrow": _installed("pyarrow"),
+              "version_no-such-package": "1.0", "seed": "0"}
+    drift = lineage_drift(params)
+    assert drift == [
+        ("code_version", "0" * 40, code_version()),
+        ("version_no-such-package", "1.0", "not installed"),
+        ("version_torch", "0.0.1", _installed("torch")),
+    ]
+    assert lineage_drift({k: now for k, _, now in drift}) == []
+
+
+def test_drift_is_printed_as_a_note_with_each_change():
+    from pipelines.reproduce import print_drift
+
+    output = StringIO()
+    print_drift(Console(file=output, width=200), "run-1", [("version_torch", "2.0.0", "2.1.0")])
+    text = output.getvalue()
+    assert "note:" in text and "run-1" in text and "version_torch: 2.0.0 → 2.1.0" in text
+    output = StringIO()
+    print_drift(Console(file=output, width=200), "run-1", [])
+    assert output.getvalue() == ""
+
+
+def _installed(package: str) -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version(package)
