@@ -1,12 +1,17 @@
 """`tessera reproduce RUN_ID`: rerun a recorded training run and print a side-by-side diff."""
 
+import os
+import shutil
 import uuid
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from resources import MlflowTracker, RowGroupCache, TesseraStorage
+from pipelines.resources_local import RAY_ADDRESS_ENV, local_resources
+from resources import ExternalRayCluster
+from resources.ray_cluster import gpu_available_in_cluster
 from training_core.data.window import eval_records
 from training_core.errors import LineageError
 from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
@@ -15,23 +20,31 @@ from training_core.runs import run_tracked_training
 
 
 def reproduce_run(run_id: str, console: Console) -> int:
-    import ray
-
-    storage = TesseraStorage()
-    tracking = MlflowTracker(storage=storage).client()
+    # The code location's own wiring: the same state folder, MLflow store and Ray address.
+    resources = local_resources()
+    storage, tracker, cache = resources["storage"], resources["mlflow_tracker"], resources["cache"]
+    store = storage.root / "mlflow.db"
+    if tracker.tracking_uri is None and not store.is_file():  # MLflow would create an empty one
+        console.print(f"[red]cannot reproduce:[/] no MLflow store at {escape(str(store))}; pass --home "
+                      f"(or TESSERA_HOME) of the state folder that recorded run {escape(run_id)}")
+        return 2
+    tracking = tracker.client()
     try:
-        recorded = load_recorded_run(tracking, run_id, str(RowGroupCache(storage=storage).config().directory))
+        recorded = load_recorded_run(tracking, run_id, str(cache.config().directory))
     except LineageError as error:
         console.print(f"[red]cannot reproduce:[/] {escape(str(error))}")  # paths and JSON may hold "[...]"
         return 2
     print_drift(console, run_id, lineage_drift(recorded.params))
-    if not ray.is_initialized():
-        ray.init(logging_level="warning")
+    _connect_to_ray(os.environ.get(RAY_ADDRESS_ENV))
+    recorded.config.check_hardware(gpu_available_in_cluster())  # a GPU run on a CPU-only cluster
     tracked = run_tracked_training(
         recorded.config, recorded.inputs, tracking, ray_storage=storage.ray_storage,
         models_dir=storage.folder("models") / "trained", extra_tags={"reproduces": run_id},
         run_name_suffix=f"reproduce-{uuid.uuid4().hex[:8]}", reuse_finished=False,
     )
+    # A reproduction is never resumed or reused: its checkpoints would only fill the disk.
+    if "://" not in storage.ray_storage:
+        shutil.rmtree(Path(storage.ray_storage) / tracked.result.run_name, ignore_errors=True)
     records = eval_records(recorded.inputs.dataset_paths)
     base, trained = evaluate_against_base(recorded.inputs.base_model, tracked.result.model_dir, records)
     report = EvaluationReport(base, trained, tracked.result.model_dir, tracked.mlflow_run_id)
@@ -44,6 +57,20 @@ def reproduce_run(run_id: str, console: Console) -> int:
         table.add_row(name, _fmt(a), _fmt(b), "[green]yes[/]" if equal else "[red]NO[/]")
     console.print(table)
     return 0 if all(equal for *_, equal in rows) else 1
+
+
+def _connect_to_ray(address: str | None) -> None:
+    import ray
+
+    from training_core.train.ray_trainer import use_local_ray_defaults
+
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=ExternalRayCluster(address=address).address, logging_level="warning")
+    else:
+        use_local_ray_defaults()  # as the local code location's LocalRayCluster runs it
+        ray.init(logging_level="warning")
 
 
 def print_drift(console: Console, run_id: str, drift: list[tuple[str, str, str]]) -> None:

@@ -13,7 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def default_home() -> Path:
-    return Path(os.environ.get("TESSERA_HOME") or REPO_ROOT / ".tessera").resolve()
+    return Path(os.environ.get("TESSERA_HOME") or REPO_ROOT / ".tessera").expanduser().resolve()
 
 
 class TesseraStorage(dg.ConfigurableResource):

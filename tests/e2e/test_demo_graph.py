@@ -192,6 +192,7 @@ def test_reproduce_reruns_from_lineage_and_matches_exactly(demo_run):
     curve = lambda run_id: [m.value for m in client.get_metric_history(run_id, "train_loss")]  # noqa: E731
     assert curve(reproduced.info.run_id) == curve(original)
     assert reproduced.data.metrics["eval_exact_match"] == client.get_run(original).data.metrics["eval_exact_match"]
+    assert not list((home / "ray").glob("*reproduce*"))  # a reproduction's checkpoints are removed
 
 
 def test_reproduce_refuses_when_the_dataset_changed(demo_run):

@@ -416,3 +416,28 @@ def test_records_keep_where_they_came_from_and_an_overlong_one_names_the_users_f
     with pytest.raises(SourceDataError, match=rf"p: line 7 of .*records\.jsonl, from line 3 of .*b\.csv \(prompt"):
         write_dataset(records, load_tokenizer(demo_model.name_or_path), tmp_path / "out", DatasetSpec(),
                       source_label="p", records_path=str(frozen / "records.jsonl"))
+
+
+def test_reproduce_in_a_state_folder_without_an_mlflow_store_creates_none(tmp_path, monkeypatch):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from pipelines.reproduce import reproduce_run
+
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
+    output = StringIO()
+    assert reproduce_run("0123456789abcdef0123456789abcdef", Console(file=output, width=300)) == 2
+    assert f"cannot reproduce: no MLflow store at {tmp_path / 'mlflow.db'}; pass --home" in output.getvalue()
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_home_folder_given_with_a_tilde_is_the_users_home(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from resources.paths import default_home
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TESSERA_HOME", "~/tessera-state")
+    assert default_home() == (tmp_path / "tessera-state").resolve()
+    assert Path(default_home()).is_absolute()
