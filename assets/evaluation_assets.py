@@ -4,21 +4,40 @@ import tempfile
 from dataclasses import dataclass
 
 import dagster as dg
+from pydantic import Field
 
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
 from assets.training_assets import TrainedModel
 from resources import MlflowTracker
 from training_core.base_model import BaseModelRef
 from training_core.data.window import DatasetWindow
+from training_core.errors import EmptyPartitionError
 from training_core.evaluate.compare import EvaluationReport, evaluate_against_base, evaluate_trained
 from training_core.tracking import ModelRegistry
 
 REGISTERED_MODEL = "tessera-adapter"
 CHAMPION_ALIAS = "champion"
-# "Better than the base": the trained model's held-out loss must be below the base model's.
+# Defaults of EvaluationConfig. "Better than the base": held-out loss below the base model's.
 MAX_LOSS_RATIO = 1.0
 # "Not worse than the champion": at most 5 % higher held-out loss than the current champion.
 CHAMPION_TOLERANCE = 0.05
+
+
+class EvaluationConfig(dg.Config):
+    """Promotion gates; the defaults promote only a model that beats the base and holds up against the champion.
+    Dagster rejects a wrong type or unknown field at launch; a value out of range fails this step before any
+    model is loaded."""
+
+    # allow_inf_nan=False: NaN compares false with everything, so it would silently fail (or pass) every gate.
+    max_loss_ratio: float = Field(
+        MAX_LOSS_RATIO, gt=0, allow_inf_nan=False,
+        description="beats_base_model passes when trained / base held-out loss is below this (1.0: below the base's)",
+    )
+    champion_tolerance: float = Field(
+        CHAMPION_TOLERANCE, ge=0, allow_inf_nan=False,
+        description="not_worse_than_champion passes when held-out loss ≤ champion's × (1 + this) "
+        "(0.05: at most 5 % higher)",
+    )
 
 
 @dg.asset(
@@ -27,13 +46,16 @@ CHAMPION_TOLERANCE = 0.05
     ins={"training_dataset": dg.AssetIn(partition_mapping=TRAINING_WINDOW)},
     check_specs=[
         dg.AssetCheckSpec("beats_base_model", asset="evaluation", blocking=True,
-                          description="the trained model's held-out loss is below the base model's"),
+                          description="the trained model's held-out loss is below max_loss_ratio × the base model's "
+                                      f"(default {MAX_LOSS_RATIO}: below the base's)"),
         dg.AssetCheckSpec("not_worse_than_champion", asset="evaluation", blocking=True,
-                          description=f"held-out loss at most {CHAMPION_TOLERANCE:.0%} above the current champion's"),
+                          description="held-out loss at most champion_tolerance above the current champion's "
+                                      f"(default {CHAMPION_TOLERANCE:.0%})"),
     ],
 )
 def evaluation(
     context: dg.AssetExecutionContext,
+    config: EvaluationConfig,
     mlflow_tracker: MlflowTracker,
     training_dataset,
     base_model: BaseModelRef,
@@ -48,6 +70,11 @@ def evaluation(
             f"{window.digest[:12]}; rematerialize lora_adapter for partition {context.partition_key}"
         )
     records = window.eval_records()
+    if not records:  # datasets published before the writer refused an empty eval split
+        raise EmptyPartitionError(
+            f"training_dataset partitions {', '.join(window.partition_keys)}: no held-out (eval) records to evaluate "
+            "on; rematerialize them with a larger eval_fraction or more records"
+        )
     base, trained = evaluate_against_base(base_model.name_or_path, lora_adapter.model_dir, records)
     tracking = mlflow_tracker.client()
     registry = ModelRegistry(tracking, REGISTERED_MODEL, CHAMPION_ALIAS)
@@ -59,26 +86,27 @@ def evaluation(
     report = EvaluationReport(base, trained, lora_adapter.model_dir, lora_adapter.mlflow_run_id, champion_metrics)
     tracking.log_metrics(lora_adapter.mlflow_run_id, report.as_metrics())
     yield dg.Output(report, metadata={k: float(v) for k, v in report.as_metrics().items()})
-    yield _beats_base_model(report)
-    yield _not_worse_than_champion(report, champion.run_id if champion else None)
+    yield _beats_base_model(report, config.max_loss_ratio)
+    yield _not_worse_than_champion(report, champion.run_id if champion else None, config.champion_tolerance)
 
 
-def _beats_base_model(report: EvaluationReport) -> dg.AssetCheckResult:
+def _beats_base_model(report: EvaluationReport, max_loss_ratio: float) -> dg.AssetCheckResult:
     ratio = report.loss_ratio
     return dg.AssetCheckResult(
         check_name="beats_base_model",
-        passed=bool(ratio < MAX_LOSS_RATIO),
+        passed=bool(ratio < max_loss_ratio),
         metadata={"loss_ratio": ratio, "base_loss": report.base.loss, "trained_loss": report.trained.loss,
                   "exact_match": report.trained.exact_match},
-        description=f"eval loss ratio {ratio:.3f} (must be < {MAX_LOSS_RATIO})",
+        description=f"eval loss ratio {ratio:.3f} (must be < {max_loss_ratio})",
     )
 
 
-def _not_worse_than_champion(report: EvaluationReport, champion_run: str | None) -> dg.AssetCheckResult:
+def _not_worse_than_champion(report: EvaluationReport, champion_run: str | None,
+                             champion_tolerance: float) -> dg.AssetCheckResult:
     if report.champion is None:
         reason = "no champion yet" if champion_run is None else "this run is the champion"
         return dg.AssetCheckResult(check_name="not_worse_than_champion", passed=True, description=reason)
-    limit = report.champion.loss * (1 + CHAMPION_TOLERANCE)
+    limit = report.champion.loss * (1 + champion_tolerance)
     return dg.AssetCheckResult(
         check_name="not_worse_than_champion",
         passed=bool(report.trained.loss <= limit),

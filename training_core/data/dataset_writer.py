@@ -104,6 +104,13 @@ def write_dataset(
         return f"{source_label}: {where} (prompt {records[index]['prompt'][:40]!r})"
 
     packed = pack_examples(train_examples, spec.seq_len, tokenizer.pad_token_id, describe=describe)
+    if not eval_records:
+        # Refused here, not at evaluation: by then the window's model has trained for nothing.
+        raise EmptyPartitionError(
+            f"{source_label}: none of its {len(records)} records fell into the eval split "
+            f"(eval_fraction={spec.eval_fraction}, split by a hash of the prompt), so evaluation would have "
+            "nothing to score; raise eval_fraction or add records"
+        )
     eval_records = eval_records[: spec.max_eval_examples]
 
     with staging_directory(output_root) as staging:

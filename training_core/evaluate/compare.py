@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from training_core.base_model import load_tokenizer
+from training_core.evaluate.model_folder import check_trained_model_dir
 from training_core.evaluate.results import EvalMetrics
 
 
@@ -39,6 +40,8 @@ def evaluate_trained(base_model_path: str, trained_model_dir: str, records: list
 def evaluate_against_base(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]]) -> tuple[EvalMetrics, EvalMetrics]:
     from training_core.evaluate.metrics import evaluate, load_model_for_eval
 
+    # Checked first: a damaged trained folder would otherwise fail only after the base model's evaluation.
+    check_trained_model_dir(trained_model_dir)
     tokenizer = load_tokenizer(base_model_path)
     base = evaluate(load_model_for_eval(base_model_path), tokenizer, records)
     return base, evaluate_trained(base_model_path, trained_model_dir, records, tokenizer)

@@ -3,28 +3,44 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from training_core.data.packing import tokenize_example
+from training_core.evaluate.model_folder import TrainedModelError, check_trained_model_dir
 from training_core.evaluate.results import EvalMetrics
 
 
 def load_model_for_eval(base_model_path: str, trained_model_dir: str | None = None):
     """The base model, or the trained result: a PEFT adapter over the base, or a full model."""
     if trained_model_dir is None:
-        model = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
-    elif (Path(trained_model_dir) / "adapter_config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32).eval()
+    kind = check_trained_model_dir(trained_model_dir)
+    if kind == "adapter":
         from peft import PeftModel
 
         base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
-        model = PeftModel.from_pretrained(base, trained_model_dir)
+        with _naming_the_folder(trained_model_dir, f"as a PEFT adapter over {base_model_path}"):
+            model = PeftModel.from_pretrained(base, trained_model_dir)
     else:
-        model = AutoModelForCausalLM.from_pretrained(trained_model_dir, dtype=torch.float32)
+        with _naming_the_folder(trained_model_dir, "as a full model"):
+            model = AutoModelForCausalLM.from_pretrained(trained_model_dir, dtype=torch.float32)
     return model.eval()
+
+
+@contextmanager
+def _naming_the_folder(trained_model_dir: str, how: str):
+    """safetensors, json and torch errors name neither the folder nor the file; the precheck reads only
+    sizes and headers, so damage inside a file surfaces here."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - any loader failure; re-raised with the folder, chained
+        raise TrainedModelError(
+            f"trained model folder {trained_model_dir}: could not be loaded {how} ({type(error).__name__}: {error})"
+        ) from error
 
 
 @torch.no_grad()
