@@ -151,6 +151,43 @@ def test_batch_columns_follow_the_rules(tmp_path):
     assert shapes == [(1, 1), (1, 2), (1, 0), (1, 3)]  # one row per batch: lengths agree → 2-D
 
 
+def test_a_file_without_statistics_gives_a_nullable_column_one_dtype_in_every_batch(tmp_path, caplog):
+    """Without footer null counts a NULL can only be found by decoding; the row groups before it
+    must not come out as int while later ones are float. Required columns cannot hold one."""
+    values = list(range(400))
+    values[398] = None
+    schema = pa.schema([pa.field("id", pa.int64(), nullable=False), pa.field("x", pa.int32())])
+    table = pa.table({"id": range(400), "x": values}, schema=schema)
+    pq.write_table(table, tmp_path / "no-stats.parquet", row_group_size=4, write_statistics=False)
+    for cache in (None, CacheConfig(tmp_path / "cache", 1 << 30), CacheConfig(tmp_path / "cache", 1 << 30)):
+        with caplog.at_level("WARNING"), RowGroupReader(tmp_path / "no-stats.parquet", batch_size=4, shuffle=False,
+                                                        cache=cache) as reader:
+            batches = list(reader)
+        assert "no-stats.parquet: no null counts in the Parquet footer for optional column(s) x: read as float64" \
+            in caplog.text
+        assert {batch["x"].dtype for batch in batches} == {np.dtype(np.float64)}
+        assert {batch["id"].dtype for batch in batches} == {np.dtype(np.int64)}  # written as required: never null
+        assert np.isnan(batches[-1]["x"][2]) and batches[0]["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_cached_row_groups_follow_the_dtype_of_the_dataset_they_are_read_in(tmp_path):
+    """The same row group decodes as int alone and as float next to a file with NULLs: a cache
+    shared by both datasets serves each its own form."""
+    table = pa.table({"id": pa.array(range(100), pa.int64()), "x": pa.array(range(100), pa.int32())})
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=10)
+    nulls = pa.table({"id": pa.array(range(100, 110), pa.int64()), "x": pa.array([None] * 10, pa.int32())})
+    pq.write_table(nulls, tmp_path / "b.parquet")
+    cache = CacheConfig(tmp_path / "cache", 1 << 30)
+
+    def dtypes(source) -> set[np.dtype]:
+        with RowGroupReader(source, batch_size=10, shuffle=False, cache=cache) as reader:
+            return {batch["x"].dtype for batch in reader}
+
+    assert dtypes(tmp_path / "a.parquet") == {np.dtype(np.int32)}
+    assert dtypes([tmp_path / "a.parquet", tmp_path / "b.parquet"]) == {np.dtype(np.float64)}
+    assert dtypes(tmp_path / "a.parquet") == {np.dtype(np.int32)}
+
+
 def test_interop_pandas_pyarrow_compression_and_side_files(tmp_path):
     root = tmp_path / "mixed"
     (root / "nested").mkdir(parents=True)
@@ -173,6 +210,48 @@ def test_interop_pandas_pyarrow_compression_and_side_files(tmp_path):
     texts = np.concatenate([b["text"] for b in batches])
     assert sorted(ids.tolist()) == list(range(900))
     assert all(text == f"row {i}" for i, text in zip(ids, texts))
+
+
+def test_interop_duckdb_files_in_a_spark_style_folder_with_nulls_and_ragged_lists(tmp_path):
+    """DuckDB's own Parquet writer (not Arrow's), its 2 048-row groups, zstd and gzip, NULL ints,
+    strings and lists, ragged lists; Spark's side files around the parts. Read cold into a cache
+    and again warm, every row matches what DuckDB itself returns."""
+    import duckdb
+
+    root = tmp_path / "spark-style"
+    root.mkdir()
+    query = """SELECT i::BIGINT AS id,
+                      CASE WHEN i % 7 = 3 THEN NULL ELSE (i * 2)::INTEGER END AS score,
+                      CASE WHEN i % 5 = 0 THEN NULL ELSE 'row ' || i END AS text,
+                      CASE WHEN i % 11 = 0 THEN NULL
+                           ELSE list_transform(range(i % 4), lambda x: (x + i)::INTEGER) END AS tokens
+               FROM range({start}, {stop}) t(i)"""
+    connection = duckdb.connect()
+    for part, (start, stop, codec) in enumerate([(0, 5000, "zstd"), (5000, 8000, "gzip")]):
+        path = root / f"part-{part:05d}-1f0c.c000.{codec}.parquet"
+        connection.execute(f"COPY ({query.format(start=start, stop=stop)}) TO '{path}' "
+                           f"(FORMAT parquet, COMPRESSION {codec}, ROW_GROUP_SIZE 2048)")
+        (root / f".{path.name}.crc").write_bytes(b"\x00")
+    (root / "_SUCCESS").write_text("")
+    expected = {row[0]: row[1:] for row in connection.execute(query.format(start=0, stop=8000)).fetchall()}
+    assert pq.ParquetFile(root / "part-00000-1f0c.c000.zstd.parquet").metadata.created_by.startswith("DuckDB")
+
+    cache = CacheConfig(tmp_path / "cache", 1 << 30)
+    for expect_hits in (False, True):
+        with RowGroupReader(root, batch_size=500, seed=5, workers=2, cache=cache) as reader:
+            assert reader.columns == ("id", "score", "text", "tokens")
+            batches = list(reader)
+            stats = reader.stats
+        assert (stats.cache_hits > 0) == expect_hits and stats.cache_misses == (0 if expect_hits else 5)  # 3 + 2 row groups
+        ids = np.concatenate([batch["id"] for batch in batches])
+        assert sorted(ids.tolist()) == list(range(8000))
+        for batch in batches:
+            assert batch["score"].dtype == np.float64  # NULLs in an int column: float with NaN
+            for row, row_id in enumerate(batch["id"].tolist()):
+                score, text, tokens = expected[row_id]
+                assert (np.isnan(batch["score"][row]) if score is None else batch["score"][row] == score)
+                assert batch["text"][row] == text  # NULL string -> None
+                assert batch["tokens"][row].tolist() == (tokens or [])  # NULL list -> empty
 
 
 def test_list_of_sources_and_fsspec_uri(tmp_path):

@@ -77,8 +77,12 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.write_queue_bytes must be >= 0, got {self.write_queue_bytes}")
 
 
-def cache_key(file_identity: str, row_group: int, columns: Sequence[str], transform_version: str) -> str:
-    return json.dumps([PAYLOAD_FORMAT, file_identity, row_group, list(columns), transform_version])
+def cache_key(file_identity: str, row_group: int, columns: Sequence[str], transform_version: str,
+              widened: Sequence[str] = ()) -> str:
+    """``widened``: the columns decoded as float because some file of the dataset may hold nulls
+    in them (the same row group decodes as int in a dataset without); empty keeps the old key."""
+    parts = [PAYLOAD_FORMAT, file_identity, row_group, list(columns), transform_version]
+    return json.dumps(parts + [sorted(widened)] if widened else parts)
 
 
 def cache_version(dataset_digest: str, columns: Sequence[str] | None, transform_version: str) -> str:

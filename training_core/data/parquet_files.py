@@ -140,18 +140,19 @@ def list_parquet_files(source: Any, filesystem: Any | None = None) -> tuple[pafs
     return chosen_fs, [found[key] for key in sorted(found)]
 
 
-def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo) -> tuple[ParquetFile, pa.Schema, set[str]]:
-    """Row-group sizes, Arrow schema and the columns that hold nulls anywhere in the file."""
+def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo) -> tuple[ParquetFile, pa.Schema, set[str], set[str]]:
+    """Row-group sizes, Arrow schema, the columns that hold nulls somewhere in the file, and the
+    optional columns whose footer does not say (no null count in some row group's statistics)."""
     try:
         with fs.open_input_file(info.path) as handle:
             metadata = pq.ParquetFile(handle).metadata
             schema = metadata.schema.to_arrow_schema()
     except Exception as error:  # noqa: BLE001 - re-raised with the file named
         raise RowGroupReadError(f"{info.path}: cannot read the Parquet footer: {error}") from error
-    ranges, nullable = row_group_statistics(metadata, schema)
+    ranges, has_nulls, unproven = row_group_statistics(metadata, schema)
     mtime = info.mtime_ns if info.mtime is not None else None
     sizes = tuple(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
-    return ParquetFile(info.path, int(info.size or 0), mtime, sizes, ranges), schema, nullable
+    return ParquetFile(info.path, int(info.size or 0), mtime, sizes, ranges), schema, has_nulls, unproven
 
 
 def is_integer_list(kind: pa.DataType) -> bool:
@@ -166,9 +167,10 @@ def _is_integer_or_integer_list(kind: pa.DataType) -> bool:
 
 def row_group_statistics(
     metadata: pq.FileMetaData, schema: pa.Schema
-) -> tuple[tuple[tuple[tuple[str, int, int], ...], ...], set[str]]:
-    """One pass over every row group's column statistics: the integer value ranges (below) and the
-    columns that hold nulls anywhere in the file.
+) -> tuple[tuple[tuple[tuple[str, int, int], ...], ...], set[str], set[str]]:
+    """One pass over every row group's column statistics: the integer value ranges (below), the
+    columns that hold nulls somewhere in the file, and the optional columns with a chunk that has
+    no null count (some writers write no statistics: only decoding could tell).
 
     Ranges: per row group, ``(column, min, max)`` for each integer (or list-of-integer) column whose chunk
     statistics have a min and max. The cache narrows integers with these instead of scanning them.
@@ -182,23 +184,27 @@ def row_group_statistics(
         leaves[name] = leaves.get(name, 0) + 1
     wanted = {name for name, count in leaves.items()
               if count == 1 and name in schema.names and _is_integer_or_integer_list(schema.field(name).type)}
-    ranges, nullable = [], set()
+    ranges, has_nulls, unproven = [], set(), set()
+    optional = [metadata.schema.column(column).max_definition_level > 0 for column in range(metadata.num_columns)]
     for index in range(metadata.num_row_groups):
         row_group, found = metadata.row_group(index), []
         for column in range(row_group.num_columns):
             chunk = row_group.column(column)
             stats = chunk.statistics
-            if stats is None:
-                continue
             name = chunk.path_in_schema.split(".")[0]
-            if stats.has_null_count and stats.null_count > 0:
-                nullable.add(name)
+            if stats is None or not stats.has_null_count:
+                if optional[column]:
+                    unproven.add(name)
+                if stats is None:
+                    continue
+            elif stats.null_count > 0:
+                has_nulls.add(name)
             if name in wanted and stats.has_min_max and chunk.physical_type in ("INT32", "INT64"):
                 low, high = stats.min, stats.max
                 if isinstance(low, int) and isinstance(high, int) and low <= high:
                     found.append((name, low, high))
         ranges.append(tuple(found))
-    return tuple(ranges), nullable
+    return tuple(ranges), has_nulls, unproven - has_nulls
 
 
 def default_columns(schema: pa.Schema) -> list[str]:
@@ -306,7 +312,7 @@ class DatasetIndex:
     files: tuple[ParquetFile, ...]
     row_groups: tuple[RowGroupRef, ...]
     columns: tuple[str, ...]
-    widen_columns: frozenset[str]  # numeric columns with nulls somewhere: always float
+    widen_columns: frozenset[str]  # numeric columns that hold (or may hold) nulls somewhere: always float
 
     @property
     def row_group_sizes(self) -> np.ndarray:
@@ -336,13 +342,20 @@ def index_dataset(source: Any, columns: Sequence[str] | None = None, filesystem:
     files, refs, widen = [], [], set()
     chosen: list[str] | None = list(columns) if columns is not None else None
     for info in infos:
-        parquet_file, schema, nullable = read_footer(fs, info)
+        parquet_file, schema, has_nulls, unproven = read_footer(fs, info)
         if chosen is None:
             chosen = default_columns(schema)
         missing = [name for name in chosen if name not in schema.names]
         if missing:
             raise SourceError(f"{info.path}: missing column(s) {missing}; it has {schema.names}")
-        widen |= {name for name in chosen if name in nullable and _is_numeric(schema.field(name).type)}
+        widen |= {name for name in chosen if name in has_nulls and _is_numeric(schema.field(name).type)}
+        # A column that may hold nulls widens too, so that its dtype is the same in every batch:
+        # deciding per row group would give int batches before the first NULL and float after it.
+        if assumed := sorted(name for name in chosen if name in unproven and _is_numeric(schema.field(name).type)):
+            widen |= set(assumed)
+            logger.warning("%s: no null counts in the Parquet footer for optional column(s) %s: read as float64 "
+                           "(they may hold nulls); write the file with statistics, or the columns as "
+                           "non-nullable, to keep them integer", info.path, ", ".join(assumed))
         files.append(parquet_file)
         refs.extend(RowGroupRef(parquet_file, i, n) for i, n in enumerate(parquet_file.row_group_sizes) if n > 0)
     return DatasetIndex(fs, tuple(files), tuple(refs), tuple(chosen or ()), frozenset(widen))

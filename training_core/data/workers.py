@@ -170,7 +170,8 @@ class RowGroupLoader:
         self._local = threading.local()
 
     def key(self, ref: RowGroupRef) -> str:
-        return cache_key(ref.file.identity, ref.index, self.index.columns, self.transform_version)
+        widened = [name for name in self.index.columns if name in self.index.widen_columns]
+        return cache_key(ref.file.identity, ref.index, self.index.columns, self.transform_version, widened)
 
     def locate_cached(self) -> None:
         """Let cache hits skip SQLite (see :meth:`RowGroupCache.locate`)."""

@@ -20,7 +20,7 @@ def check_training_data(train_dirs: Sequence[str], micro_batch_size: int, num_wo
     filesystem, infos = list_parquet_files(list(train_dirs))
     rows = 0
     for info in infos:
-        parquet_file, schema, has_nulls = read_footer(filesystem, info)
+        parquet_file, schema, has_nulls, _ = read_footer(filesystem, info)
         for name in TRAINING_COLUMNS:
             if name not in schema.names:
                 raise SourceDataError(f"{info.path}: no column {name!r}; it has {schema.names}")
