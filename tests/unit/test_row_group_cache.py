@@ -67,6 +67,34 @@ def test_integers_are_stored_narrow_and_read_back_in_their_logical_dtype():
     assert decoded["neg"].tolist() == [-3, 100] and decoded["big"].tolist() == [0, 2**40]
 
 
+def test_time_columns_are_cached_and_read_back_unchanged(tmp_path):
+    """datetime64 / timedelta64 buffers cannot go through a memoryview as they are; before, every
+    store of a dataset with a timestamp column failed and the cache never filled."""
+    import datetime
+
+    moments = [datetime.datetime(2026, 12, 5, hour) for hour in range(7)] + [None]
+    table = pa.table({
+        "id": pa.array(range(8), pa.int64()),
+        "at": pa.array(moments, pa.timestamp("us")),
+        "day": pa.array([datetime.date(2026, 12, 1 + i) for i in range(8)], pa.date32()),
+        "took": pa.array([datetime.timedelta(seconds=i) for i in range(8)], pa.duration("ms")),
+    })
+    pq.write_table(table, tmp_path / "events.parquet", row_group_size=4)
+    cache = CacheConfig(tmp_path / "cache", 1 << 30)
+    reads = []
+    for _ in range(2):
+        with RowGroupReader(tmp_path / "events.parquet", batch_size=8, shuffle=False, cache=cache) as reader:
+            (batch,) = list(reader)
+            reads.append((batch, reader.stats.cache_hits))
+    (cold, cold_hits), (warm, warm_hits) = reads
+    assert (cold_hits, warm_hits) == (0, 2)
+    assert warm["at"].dtype == np.dtype("datetime64[us]") and np.isnat(warm["at"][7])
+    assert warm["day"].dtype == np.dtype("datetime64[D]") and warm["took"].dtype == np.dtype("timedelta64[ms]")
+    for name in ("at", "day", "took"):
+        np.testing.assert_array_equal(warm[name], cold[name])
+    assert warm["at"][3] == np.datetime64("2026-12-05T03:00")
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "magic"])
 def test_damaged_payload_is_detected(damage):
     payload = bytearray(encode_payload(sample_columns()))

@@ -84,7 +84,10 @@ def encode_chunks(columns: dict[str, np.ndarray], logical: dict[str, np.dtype] |
         start = _aligned(cursor)
         if start > cursor:
             buffers.append(bytes(start - cursor))
-        data = memoryview(np.ascontiguousarray(buffer)).cast("B")
+        contiguous = np.ascontiguousarray(buffer)
+        if contiguous.dtype.kind in "mM":  # datetime64 / timedelta64: no buffer format; the header keeps the dtype
+            contiguous = contiguous.view(np.int64)
+        data = memoryview(contiguous).cast("B")
         buffers.append(data)
         cursor = start + data.nbytes
         return {"offset": start, "nbytes": data.nbytes}
