@@ -115,9 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--home", help="state directory (default $TESSERA_HOME or .tessera/)")
     p_demo.add_argument("--json", help="also write the summary as JSON to this file")
     p_demo.set_defaults(handler=demo)
-    p_repro = sub.add_parser("reproduce", help="rerun a training run from its MLflow lineage")
-    p_repro.add_argument("run_id")
-    p_repro.add_argument("--home")
+    p_repro = sub.add_parser(
+        "reproduce", help="rerun a training run from its MLflow lineage",
+        description="Rebuild a training run's inputs from its MLflow lineage, verify their digests, train again "
+                    "with the recorded config and seeds, and print recorded vs reproduced metrics. Exit status: "
+                    "0 all metrics equal, 1 some differ, 2 cannot reproduce (the reason is printed). Trains on "
+                    "$TESSERA_RAY_ADDRESS when set, else on in-process Ray.")
+    p_repro.add_argument("run_id", help="MLflow run id of the training run (the lora_adapter asset's mlflow_run)")
+    p_repro.add_argument("--home", help="state directory that recorded the run (default $TESSERA_HOME or .tessera/)")
     p_repro.set_defaults(handler=reproduce)
     p_bench = sub.add_parser("bench", help="run a benchmark; writes bench/results/<name>.json and .png")
     p_bench.add_argument("which", choices=["loader", "train"])
