@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pipelines.instance import LAUNCHER_TAG, fail_abandoned_runs, prepare_home
@@ -40,12 +41,26 @@ def demo(args: argparse.Namespace) -> int:
         )
     if not result.success:
         console.print("[red]demo failed[/]; see the Dagster log above")
+        for step, error in step_failures(result):  # the cause, where it is seen: at the end
+            console.print(f"  step {escape(step)}: {escape(error)}", highlight=False)
         return 1
     summary = _summarize(result)
     _print_summary(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2, default=str))
     return 0
+
+
+def step_failures(result) -> list[tuple[str, str]]:
+    """(step, "module.ErrorClass: message") of each failed step, for the last lines a user reads."""
+    failures = []
+    for event in result.get_step_failure_events():
+        error = event.step_failure_data.error
+        # Dagster wraps errors raised in a step; the user's error is the cause
+        while error is not None and error.cause is not None and error.cls_name == "DagsterExecutionStepExecutionError":
+            error = error.cause
+        failures.append((event.step_key, error.message.strip() if error else "unknown error"))
+    return failures
 
 
 def _summarize(result) -> dict:

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from pipelines.resources_local import RAY_ADDRESS_ENV, local_resources
 from resources import ExternalRayCluster
-from resources.ray_cluster import gpu_available_in_cluster
+from resources.ray_cluster import RayClusterUnreachable, gpu_available_in_cluster, wait_until_reachable
 from training_core.data.window import eval_records
 from training_core.errors import LineageError
 from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
@@ -35,7 +35,11 @@ def reproduce_run(run_id: str, console: Console) -> int:
         console.print(f"[red]cannot reproduce:[/] {escape(str(error))}")  # paths and JSON may hold "[...]"
         return 2
     print_drift(console, run_id, lineage_drift(recorded.params))
-    _connect_to_ray(os.environ.get(RAY_ADDRESS_ENV))
+    try:
+        _connect_to_ray(os.environ.get(RAY_ADDRESS_ENV))
+    except RayClusterUnreachable as error:
+        console.print(f"[red]cannot reproduce:[/] {escape(str(error))}")
+        return 2
     recorded.config.check_hardware(gpu_available_in_cluster())  # a GPU run on a CPU-only cluster
     tracked = run_tracked_training(
         recorded.config, recorded.inputs, tracking, ray_storage=storage.ray_storage,
@@ -67,7 +71,9 @@ def _connect_to_ray(address: str | None) -> None:
     if ray.is_initialized():
         return
     if address:
-        ray.init(address=ExternalRayCluster(address=address).address, logging_level="warning")
+        cluster = ExternalRayCluster(address=address)
+        wait_until_reachable(cluster.address, cluster.connect_timeout_s)
+        ray.init(address=cluster.address, logging_level="warning")
     else:
         use_local_ray_defaults()  # as the local code location's LocalRayCluster runs it
         ray.init(logging_level="warning")

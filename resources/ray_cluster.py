@@ -6,6 +6,8 @@
 """
 
 
+import socket
+import time
 from typing import Any
 
 from dagster_ray import Lifecycle, LocalRay, RayResource
@@ -108,6 +110,12 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
 
     address: str = Field(description="GCS address of the head node, e.g. 10.0.0.5:6379 or 'auto'")
 
+    connect_timeout_s: float = Field(
+        30.0, gt=0,
+        description="how long to wait for the head node to accept connections before the step fails "
+                    "(a wrong address otherwise hangs in ray.init for minutes)",
+    )
+
     @field_validator("address")
     @classmethod
     def _host_and_port(cls, value: str) -> str:
@@ -119,6 +127,13 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
         return value
 
     data_execution_options: RayDataOptions = ray_data_options_field()
+
+    def connect(self, context):  # type: ignore[override]
+        import ray
+
+        if not ray.is_initialized():
+            wait_until_reachable(self.address, self.connect_timeout_s)
+        return super().connect(context)
 
     @property
     def host(self) -> str:
@@ -159,10 +174,39 @@ def connect_for_training(ray_cluster: RayResource, context) -> None:
         ray_cluster.on_connect(context)
 
 
+class RayClusterUnreachable(RuntimeError):
+    """Nothing accepted a connection at the configured Ray address."""
+
+
+def wait_until_reachable(address: str, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Return once something accepts TCP connections at ``address`` (HOST:PORT or ray://HOST:PORT),
+    polling for up to ``timeout_s`` (a head node may still be starting); else raise naming the
+    address. ``ray.init`` on a dead address retries for minutes, and dagster-ray retries it for two
+    more, so a typo in TESSERA_RAY_ADDRESS used to hang the step instead of failing it."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as error:
+            if time.monotonic() + poll_s > deadline:
+                raise RayClusterUnreachable(
+                    f"Ray cluster at {address} (TESSERA_RAY_ADDRESS or ray_cluster.address) did not accept a "
+                    f"connection within {timeout_s:g} s: {error}. Start it (`ray start --head --port={port}`), fix "
+                    "the address, or unset TESSERA_RAY_ADDRESS to train on in-process Ray"
+                ) from error
+            time.sleep(poll_s)
+
+
 def gpu_available_in_cluster() -> bool:
     import ray
 
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-__all__ = ["LocalRayCluster", "ExternalRayCluster", "RayDataOptions", "RayResource", "gpu_available_in_cluster"]
+__all__ = ["LocalRayCluster", "ExternalRayCluster", "RayClusterUnreachable", "RayDataOptions", "RayResource",
+           "gpu_available_in_cluster", "wait_until_reachable"]

@@ -134,3 +134,19 @@ def test_a_window_day_never_materialized_is_named_with_what_to_materialize(tmp_p
     assert message.startswith("input 'daily_rows' needs daily_rows partition 2026-11-02, which has not been "
                                  "materialized here (no stored value at ")
     assert message.endswith("materialize daily_rows partition 2026-11-02 first (a backfill over the window's days does it)")
+
+
+def test_a_failed_demo_ends_with_the_failing_step_and_its_own_error():
+    from pipelines.cli import step_failures
+
+    @dg.asset
+    def upstream() -> int:
+        return 1
+
+    @dg.asset
+    def broken(upstream: int) -> int:
+        raise ValueError(f"bad row {upstream} in data.jsonl")
+
+    result = dg.materialize([upstream, broken], raise_on_error=False)
+    assert not result.success
+    assert step_failures(result) == [("broken", "ValueError: bad row 1 in data.jsonl")]

@@ -211,3 +211,38 @@ def test_an_external_ray_address_must_be_host_and_port(address):
         ExternalRayCluster(address=address)
     for good in ("auto", "10.0.0.5:6379", "ray://head.svc:10001"):
         assert ExternalRayCluster(address=good).address == good
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as probe:  # bound, never listening: connections are refused
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_an_unreachable_external_cluster_fails_the_connect_at_once_naming_the_address(monkeypatch):
+    import ray
+
+    from resources.ray_cluster import RayClusterUnreachable
+
+    port = _closed_port()
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh step process
+    cluster = ExternalRayCluster(address=f"127.0.0.1:{port}", connect_timeout_s=0.5)
+    with pytest.raises(RayClusterUnreachable, match=rf"Ray cluster at 127.0.0.1:{port} \(TESSERA_RAY_ADDRESS or "
+                       rf"ray_cluster.address\) did not accept a connection within 0.5 s: .*ray start --head "
+                       rf"--port={port}"):
+        cluster.connect(dg.build_init_resource_context())
+
+
+def test_waiting_for_a_cluster_returns_once_its_port_accepts_connections():
+    import socket
+
+    from resources.ray_cluster import wait_until_reachable
+
+    with socket.socket() as head:
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        wait_until_reachable(f"127.0.0.1:{head.getsockname()[1]}", timeout_s=5)
+        wait_until_reachable(f"ray://127.0.0.1:{head.getsockname()[1]}", timeout_s=5)
+    wait_until_reachable("auto", timeout_s=0.1)  # Ray finds the address itself
