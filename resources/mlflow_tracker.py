@@ -41,9 +41,32 @@ def check_tracking_uri(uri: str) -> None:
     if scheme not in TRACKING_SCHEMES:
         raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: expected a URI with scheme "
                           f"{'/'.join(TRACKING_SCHEMES)} (e.g. sqlite:////data/mlflow.db or http://mlflow:5000)")
+    if scheme in ("http", "https"):
+        _check_server_listens(uri, scheme)
     if scheme == "sqlite":
         from pathlib import Path
 
         database = Path(uri.split(":///", 1)[-1]) if ":///" in uri else None
         if database is not None and str(database) != ":memory:" and not database.parent.is_dir():
             raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: folder {database.parent} does not exist")
+
+
+SERVER_CONNECT_TIMEOUT_S = 10.0
+
+
+def _check_server_listens(uri: str, scheme: str) -> None:
+    """MLflow's client retries a refused connection with backoff for ~4 minutes before it fails.
+    One attempt: a tracking server is a long-running service, not one starting with the run."""
+    from urllib.parse import urlparse
+
+    from resources.reachability import connection_refusal
+    from training_core.errors import ConfigError
+
+    parsed = urlparse(uri)
+    if not parsed.hostname:
+        raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: no host name")
+    port = parsed.port or (443 if scheme == "https" else 80)
+    if error := connection_refusal(parsed.hostname, port, SERVER_CONNECT_TIMEOUT_S, poll_s=SERVER_CONNECT_TIMEOUT_S):
+        raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: no MLflow server accepted a connection at "
+                          f"{parsed.hostname}:{port} ({error}); start it "
+                          "(`mlflow server --port ...`) or fix the URI")

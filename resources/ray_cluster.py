@@ -6,14 +6,13 @@
 """
 
 
-import socket
-import time
 from typing import Any
 
 from dagster_ray import Lifecycle, LocalRay, RayResource
 from dagster_ray.configs import RayDataExecutionOptions
 from pydantic import Field, PrivateAttr, field_validator
 
+from resources.reachability import connection_refusal
 from training_core.train.ray_trainer import use_cluster_services, use_pooled_worker_processes, use_preemption_watcher
 
 
@@ -178,28 +177,20 @@ class RayClusterUnreachable(RuntimeError):
     """Nothing accepted a connection at the configured Ray address."""
 
 
-def wait_until_reachable(address: str, timeout_s: float, poll_s: float = 1.0) -> None:
+def wait_until_reachable(address: str, timeout_s: float) -> None:
     """Return once something accepts TCP connections at ``address`` (HOST:PORT or ray://HOST:PORT),
-    polling for up to ``timeout_s`` (a head node may still be starting); else raise naming the
-    address. ``ray.init`` on a dead address retries for minutes, and dagster-ray retries it for two
-    more, so a typo in TESSERA_RAY_ADDRESS used to hang the step instead of failing it."""
+    waiting up to ``timeout_s`` (a head node may still be starting); else raise naming the address.
+    ``ray.init`` on a dead address retries for minutes, and dagster-ray retries it for two more, so
+    a typo in TESSERA_RAY_ADDRESS used to hang the step instead of failing it."""
     if address == "auto":
         return
     host, _, port = address.removeprefix("ray://").rpartition(":")
-    host = host.strip("[]")  # [::1]:6379
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-                return
-        except OSError as error:
-            if time.monotonic() + poll_s > deadline:
-                raise RayClusterUnreachable(
-                    f"Ray cluster at {address} (TESSERA_RAY_ADDRESS or ray_cluster.address) did not accept a "
-                    f"connection within {timeout_s:g} s: {error}. Start it (`ray start --head --port={port}`), fix "
-                    "the address, or unset TESSERA_RAY_ADDRESS to train on in-process Ray"
-                ) from error
-            time.sleep(poll_s)
+    if error := connection_refusal(host.strip("[]"), int(port), timeout_s):  # [::1]:6379
+        raise RayClusterUnreachable(
+            f"Ray cluster at {address} (TESSERA_RAY_ADDRESS or ray_cluster.address) did not accept a "
+            f"connection within {timeout_s:g} s: {error}. Start it (`ray start --head --port={port}`), fix "
+            "the address, or unset TESSERA_RAY_ADDRESS to train on in-process Ray"
+        ) from error
 
 
 def gpu_available_in_cluster() -> bool:

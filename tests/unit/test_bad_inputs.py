@@ -374,12 +374,31 @@ def test_demo_hidden_size_must_split_into_the_heads():
     ("sqlite:////nonexistent/dir/mlflow.db", "folder /nonexistent/dir does not exist"),
 ])
 def test_mlflow_tracking_uris_that_would_misread_or_start_empty_are_refused(uri, message):
+    import socket
+
     from resources.mlflow_tracker import check_tracking_uri
 
     with pytest.raises(ConfigError, match=f"mlflow_tracker.tracking_uri '{uri}': {message}"):
         check_tracking_uri(uri)
-    for good in ("http://mlflow:5000", "postgresql+psycopg2://u@db/mlflow", "sqlite:///:memory:"):
-        check_tracking_uri(good)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        for good in (f"http://127.0.0.1:{server.getsockname()[1]}", "postgresql+psycopg2://u@db/mlflow",
+                     "sqlite:///:memory:"):
+            check_tracking_uri(good)
+
+
+def test_an_mlflow_server_uri_where_nothing_listens_fails_at_once_not_after_minutes_of_retries():
+    import socket
+
+    from resources.mlflow_tracker import check_tracking_uri
+
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        with pytest.raises(ConfigError, match=rf"mlflow_tracker.tracking_uri '{uri}': no MLflow server accepted a "
+                                              rf"connection at 127.0.0.1:{closed.getsockname()[1]} \(.*refused"):
+            check_tracking_uri(uri)
 
 
 def test_files_inside_hidden_or_underscore_folders_are_not_source_data(tmp_path):
