@@ -41,6 +41,11 @@ def reproduce_run(run_id: str, console: Console) -> int:
         console.print(f"[red]cannot reproduce:[/] {escape(str(error))}")
         return 2
     recorded.config.check_hardware(gpu_available_in_cluster())  # a GPU run on a CPU-only cluster
+    import ray
+
+    if shortfall := recorded.config.capacity_shortfall(ray.cluster_resources()):  # Ray Train would wait for ever
+        console.print(f"[red]cannot reproduce:[/] {escape(shortfall)}")
+        return 2
     tracked = run_tracked_training(
         recorded.config, recorded.inputs, tracking, ray_storage=storage.ray_storage,
         models_dir=storage.folder("models") / "trained", extra_tags={"reproduces": run_id},

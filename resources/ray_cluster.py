@@ -94,6 +94,10 @@ class LocalRayCluster(_SharesRunningRay, LocalRay):
                     "instead of a fresh process per actor (seconds sooner per training run)",
     )
 
+    @property
+    def autoscaling(self) -> bool:
+        return False  # one machine: what it has now is all it will ever have
+
     def connect(self, context):  # type: ignore[override]
         use_preemption_watcher(self.preemption_watcher)
         use_cluster_services(self.cluster_services)
@@ -108,6 +112,11 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
                                  description="connect lazily: the training asset connects when it trains")
 
     address: str = Field(description="GCS address of the head node, e.g. 10.0.0.5:6379 or 'auto'")
+
+    autoscaling: bool = Field(
+        False, description="the cluster adds nodes on demand: a training run larger than it is now waits "
+                           "for them instead of failing at once",
+    )
 
     connect_timeout_s: float = Field(
         30.0, gt=0,
@@ -193,6 +202,21 @@ def wait_until_reachable(address: str, timeout_s: float) -> None:
         ) from error
 
 
+def check_cluster_capacity(training_config, ray_cluster: Any, log: Any) -> None:
+    """Fail before Ray Train waits for ever for a worker group the connected cluster cannot hold.
+    A cluster that adds nodes on demand (``autoscaling``) only gets a warning: the nodes may come."""
+    import ray
+
+    from training_core.errors import ConfigError
+
+    if (shortfall := training_config.capacity_shortfall(ray.cluster_resources())) is None:
+        return
+    if getattr(ray_cluster, "autoscaling", True):
+        log.warning(f"{shortfall}; waiting for the cluster's autoscaler to add nodes")
+        return
+    raise ConfigError(shortfall)
+
+
 def gpu_available_in_cluster() -> bool:
     import ray
 
@@ -200,4 +224,4 @@ def gpu_available_in_cluster() -> bool:
 
 
 __all__ = ["LocalRayCluster", "ExternalRayCluster", "RayClusterUnreachable", "RayDataOptions", "RayResource",
-           "gpu_available_in_cluster", "wait_until_reachable"]
+           "check_cluster_capacity", "gpu_available_in_cluster", "wait_until_reachable"]

@@ -246,3 +246,39 @@ def test_waiting_for_a_cluster_returns_once_its_port_accepts_connections():
         wait_until_reachable(f"127.0.0.1:{head.getsockname()[1]}", timeout_s=5)
         wait_until_reachable(f"ray://127.0.0.1:{head.getsockname()[1]}", timeout_s=5)
     wait_until_reachable("auto", timeout_s=0.1)  # Ray finds the address itself
+
+
+def test_a_worker_group_larger_than_the_cluster_is_named_before_ray_train_waits_for_it():
+    from training_core.train.config import TrainingConfig
+
+    assert TrainingConfig(num_workers=2).capacity_shortfall({"CPU": 2.0}) is None
+    assert TrainingConfig(num_workers=4).capacity_shortfall({"CPU": 2.0}) == (
+        "num_workers=4 × 1 CPU per worker needs 4 CPU, and the Ray cluster has 2 in all; lower num_workers or "
+        "cpus_per_worker, or train on a larger cluster")
+    gpu = TrainingConfig(num_workers=2, use_gpu=True, cpus_per_worker=2)
+    assert gpu.capacity_shortfall({"CPU": 16.0, "GPU": 1.0}).startswith("num_workers=2 × 1 GPU per worker needs 2 GPU")
+    assert gpu.capacity_shortfall({"CPU": 3.0}).startswith("num_workers=2 × 2 CPU per worker needs 4 CPU")
+
+
+def test_only_a_cluster_that_can_add_nodes_waits_for_a_worker_group_larger_than_it(monkeypatch):
+    import logging
+
+    import ray
+
+    from resources.ray_cluster import LocalRayCluster, check_cluster_capacity
+    from training_core.errors import ConfigError
+    from training_core.train.config import TrainingConfig
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})  # a 2-core machine's Ray
+    too_big, log = TrainingConfig(num_workers=3), logging.getLogger("test")
+    check_cluster_capacity(TrainingConfig(num_workers=2), LocalRayCluster(), log)
+    with pytest.raises(ConfigError, match="num_workers=3 × 1 CPU per worker needs 3 CPU, and the Ray cluster has 2"):
+        check_cluster_capacity(too_big, LocalRayCluster(), log)
+    with pytest.raises(ConfigError, match="needs 3 CPU"):
+        check_cluster_capacity(too_big, ExternalRayCluster(address="10.0.0.5:6379"), log)
+    warnings = []
+    monkeypatch.setattr(log, "warning", warnings.append)
+    check_cluster_capacity(too_big, ExternalRayCluster(address="10.0.0.5:6379", autoscaling=True), log)
+    assert warnings == ["num_workers=3 × 1 CPU per worker needs 3 CPU, and the Ray cluster has 2 in all; lower "
+                        "num_workers or cpus_per_worker, or train on a larger cluster; waiting for the cluster's "
+                        "autoscaler to add nodes"]

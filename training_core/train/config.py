@@ -120,6 +120,21 @@ class TrainingConfig(BaseModel):
                 if wanted:
                     raise ConfigError(f"{feature} needs a GPU; set use_gpu=True on a GPU cluster")
 
+    def worker_resources(self) -> dict[str, float]:
+        """What each Ray Train worker asks for (its ScalingConfig.resources_per_worker)."""
+        return {"CPU": self.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
+
+    def capacity_shortfall(self, cluster_resources: dict[str, float]) -> str | None:
+        """Why the worker group cannot be placed on a cluster of this total size, or None if it can.
+        Ray Train would otherwise wait for the resources and retry its start-up for ever."""
+        for resource, per_worker in self.worker_resources().items():
+            needed, there = per_worker * self.num_workers, float(cluster_resources.get(resource, 0.0))
+            if needed > there:
+                return (f"num_workers={self.num_workers} × {per_worker:g} {resource} per worker needs {needed:g} "
+                        f"{resource}, and the Ray cluster has {there:g} in all; lower num_workers"
+                        f"{' or cpus_per_worker' if resource == 'CPU' else ''}, or train on a larger cluster")
+        return None
+
     @property
     def global_batch_rows(self) -> int:
         return self.micro_batch_size * self.gradient_accumulation_steps * self.num_workers

@@ -97,7 +97,7 @@ def run_training(
         scaling_config=ray.train.ScalingConfig(
             num_workers=config.num_workers,
             use_gpu=config.use_gpu,
-            resources_per_worker={"CPU": config.cpus_per_worker, **({"GPU": 1} if config.use_gpu else {})},
+            resources_per_worker=config.worker_resources(),
         ),
         run_config=ray.train.RunConfig(
             name=run_name,
