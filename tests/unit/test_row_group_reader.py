@@ -281,6 +281,24 @@ def test_bad_sources_raise_actionable_errors(tmp_path):
         RowGroupReader(path, columns=["id", "nope"])
 
 
+@pytest.mark.parametrize(("arguments", "error", "message"), [
+    ({"batch_size": 2.5}, TypeError, "batch_size must be an integer, got 2.5"),
+    ({"seed": -5}, ValueError, "seed must be >= 0, got -5"),
+    ({"epoch": -1}, ValueError, "epoch must be >= 0, got -1"),
+    ({"world_size": 0}, ValueError, "world_size must be >= 1, got 0"),
+    ({"workers": 0}, ValueError, "workers must be >= 1, got 0"),
+    ({"rank": True}, TypeError, "rank must be an integer, got True"),
+    ({"columns": "id"}, TypeError, "columns must be a list of column names, got 'id'"),
+    ({"columns": []}, ValueError, r"columns must name at least one column \(None reads them all\)"),
+    ({"columns": ["id", "id"]}, ValueError, r"columns names a column twice: \['id', 'id'\]"),
+])
+def test_reader_arguments_are_checked_by_name_before_any_thread_starts(ids_dataset, arguments, error, message):
+    with pytest.raises(error, match=f"^{message}$"):
+        RowGroupReader(ids_dataset, **arguments)
+    with RowGroupReader(ids_dataset) as reader, pytest.raises(ValueError, match="epoch must be an integer >= 0, got -2"):
+        reader.set_epoch(-2)
+
+
 def test_state_of_another_dataset_is_rejected(ids_dataset, tmp_path):
     other = write_ids_dataset(tmp_path / "other", [(10, 5)])
     state = RowGroupReader(ids_dataset).state_dict()

@@ -93,6 +93,20 @@ class _EpochIterator:
             self._pipeline = None
 
 
+def _check_arguments(**values: Any) -> None:
+    """Integers where the reader needs them (a float batch size used to fail in a worker thread,
+    a negative seed inside NumPy's generator, neither naming the argument)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+    for name in ("seed", "epoch"):
+        if values[name] < 0:
+            raise ValueError(f"{name} must be >= 0, got {values[name]}")
+    for name in ("world_size", "workers", "prefetch_batches"):
+        if values[name] < 1:
+            raise ValueError(f"{name} must be >= 1, got {values[name]}")
+
+
 class RowGroupReader:
     """Batches of NumPy columns from Parquet row groups; order is a pure function of
     (seed, epoch, row-group sizes, world_size, rank), never of threads or cache hits."""
@@ -118,6 +132,15 @@ class RowGroupReader:
         filesystem: Any | None = None,
         prefetch_batches: int = 64,
     ) -> None:
+        _check_arguments(batch_size=batch_size, seed=seed, epoch=epoch, rank=rank, world_size=world_size,
+                         workers=workers, shuffle_buffer_row_groups=shuffle_buffer_row_groups,
+                         prefetch_batches=prefetch_batches)
+        if columns is not None and (isinstance(columns, (str, bytes)) or not all(isinstance(c, str) for c in columns)):
+            raise TypeError(f"columns must be a list of column names, got {columns!r}")
+        if columns is not None and not columns:
+            raise ValueError("columns must name at least one column (None reads them all)")
+        if columns is not None and len(set(columns)) != len(columns):
+            raise ValueError(f"columns names a column twice: {list(columns)}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 <= rank < world_size:
@@ -130,8 +153,8 @@ class RowGroupReader:
             logger.warning("transform given with transform_version='none': cached rows of another transform may be served")
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
         self.shuffle_buffer_row_groups, self.rank, self.world_size = shuffle_buffer_row_groups, rank, world_size
-        self.workers, self.drop_last, self.read_timeout_s = max(1, workers), drop_last, read_timeout_s
-        self.prefetch_batches = max(1, prefetch_batches)
+        self.workers, self.drop_last, self.read_timeout_s = workers, drop_last, read_timeout_s
+        self.prefetch_batches = prefetch_batches
         self._row_groups_in_flight = max(2 * shuffle_buffer_row_groups, 2 * self.workers)
         self._id = f"{next(_reader_ids)}"
         self._index: DatasetIndex = call_with_timeout(
@@ -197,6 +220,8 @@ class RowGroupReader:
 
     def set_epoch(self, epoch: int) -> None:
         """Jump to the start of ``epoch`` (closes an active iterator)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
         self._close_active()
         self._position = _Position(epoch, 0, self.world_size, self.batch_size)
 
