@@ -299,6 +299,28 @@ def test_reader_arguments_are_checked_by_name_before_any_thread_starts(ids_datas
         reader.set_epoch(-2)
 
 
+def test_a_damaged_reader_state_names_its_bad_field_and_leaves_the_reader_as_it_was(ids_dataset):
+    from training_core.data.reader import ReaderStateError
+
+    with RowGroupReader(ids_dataset, batch_size=100) as reader:
+        good = reader.state_dict()
+        expected = [batch["id"].copy() for batch in reader]
+    for state, message in [
+        (None, r"reader state must be a dict \(from state_dict\(\)\), got NoneType"),
+        ({**good, "epoch": "1"}, "reader state epoch='1': expected an integer >= 0"),
+        ({**good, "samples_in_epoch": -1}, "reader state samples_in_epoch=-1: expected an integer >= 0"),
+        ({**good, "shuffle": 1}, "reader state shuffle=1: expected true or false"),
+        ({key: value for key, value in good.items() if key != "seed"}, "reader state has no 'seed'; it has"),
+        ({**good, "samples_in_epoch": 5000, "seed": 9},
+         r"reader state samples_in_epoch=5000 is past the end of its epoch \(1000 samples at world size 1\)"),
+    ]:
+        with RowGroupReader(ids_dataset, batch_size=100) as reader:
+            with pytest.raises(ReaderStateError, match=message):
+                reader.load_state_dict(state)
+            assert reader.state_dict() == good
+            assert same_batches([batch["id"].copy() for batch in reader], expected)
+
+
 def test_state_of_another_dataset_is_rejected(ids_dataset, tmp_path):
     other = write_ids_dataset(tmp_path / "other", [(10, 5)])
     state = RowGroupReader(ids_dataset).state_dict()

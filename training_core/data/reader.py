@@ -107,6 +107,29 @@ def _check_arguments(**values: Any) -> None:
             raise ValueError(f"{name} must be >= 1, got {values[name]}")
 
 
+# Fields of a saved state and the smallest value each may hold (bool: must be a bool).
+_STATE_FIELDS = {"epoch": 0, "samples_in_epoch": 0, "layout_world_size": 1, "layout_batch_size": 1, "num_rows": 0,
+                 "seed": 0, "shuffle": bool, "shuffle_buffer_row_groups": 1, "drop_last": bool}
+
+
+def _check_state(state: Any) -> None:
+    """A state read back from a checkpoint names its bad field instead of failing as a KeyError or
+    a TypeError deep in the order computation (or silently reading a string as an epoch)."""
+    if not isinstance(state, dict):
+        raise ReaderStateError(f"reader state must be a dict (from state_dict()), got {type(state).__name__}")
+    if state.get("format") != STATE_FORMAT:
+        return  # named by the format check, with the format it has
+    for name, rule in _STATE_FIELDS.items():
+        if name not in state:
+            raise ReaderStateError(f"reader state has no {name!r}; it has {sorted(state)}")
+        value = state[name]
+        if rule is bool:
+            if not isinstance(value, bool):
+                raise ReaderStateError(f"reader state {name}={value!r}: expected true or false")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < rule:
+            raise ReaderStateError(f"reader state {name}={value!r}: expected an integer >= {rule}")
+
+
 class RowGroupReader:
     """Batches of NumPy columns from Parquet row groups; order is a pure function of
     (seed, epoch, row-group sizes, world_size, rank), never of threads or cache hits."""
@@ -244,21 +267,29 @@ class RowGroupReader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (saved by any rank at any world size) at this reader's rank/world."""
+        _check_state(state)
         if state.get("format") != STATE_FORMAT:
             raise ReaderStateError(f"unknown reader state format {state.get('format')!r}; expected {STATE_FORMAT}")
         if state["num_rows"] != self._index.num_rows:
             raise ReaderStateError(
                 f"state was saved for a dataset of {state['num_rows']} rows; this source has {self._index.num_rows}"
             )
+        previous_order = {key: getattr(self, key) for key in _ORDER_KEYS}
         for key in _ORDER_KEYS:
             if state[key] != getattr(self, key):
                 logger.warning("load_state_dict: %s=%r from the state replaces %r", key, state[key], getattr(self, key))
                 setattr(self, key, state[key])
         self._close_active()
-        self._position = _Position(
+        previous, self._position = self._position, _Position(
             int(state["epoch"]), int(state["samples_in_epoch"]),
             int(state["layout_world_size"]), int(state["layout_batch_size"]),
         )
+        if (total := self._layout().total_positions) < self._position.consumed:
+            self._position = previous
+            for key, value in previous_order.items():
+                setattr(self, key, value)
+            raise ReaderStateError(f"reader state samples_in_epoch={state['samples_in_epoch']} is past the end of its "
+                                   f"epoch ({total} samples at world size {state['layout_world_size']})")
         if self._schedule().num_batches == 0:
             self._advance_epoch()
 
