@@ -67,6 +67,14 @@ def test_integers_are_stored_narrow_and_read_back_in_their_logical_dtype():
     assert decoded["neg"].tolist() == [-3, 100] and decoded["big"].tolist() == [0, 2**40]
 
 
+def test_a_cache_folder_that_is_empty_or_a_file_is_refused_by_name(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="CacheConfig.directory is empty"):
+        CacheConfig("", 1 << 20)
+    with pytest.raises(ValueError, match=f"CacheConfig.directory {tmp_path / 'afile'} is a file, not a folder"):
+        CacheConfig(tmp_path / "afile", 1 << 20)
+
+
 def test_time_columns_are_cached_and_read_back_unchanged(tmp_path):
     """datetime64 / timedelta64 buffers cannot go through a memoryview as they are; before, every
     store of a dataset with a timestamp column failed and the cache never filled."""

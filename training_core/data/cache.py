@@ -62,6 +62,10 @@ class CacheConfig:
     write_queue_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
+        if not str(self.directory).strip():  # "" would put the cache's shard folders in the working directory
+            raise ValueError("CacheConfig.directory is empty; give the folder the cache lives in")
+        if Path(self.directory).exists() and not Path(self.directory).is_dir():
+            raise ValueError(f"CacheConfig.directory {self.directory} is a file, not a folder")
         for name in ("size_limit_bytes", "shards", "write_queue_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
