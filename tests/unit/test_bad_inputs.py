@@ -186,6 +186,7 @@ def test_base_model_directory_loads_with_from_pretrained(demo_model):
         ({"no_such_field": 1}, "no_such_field"),
         ({"learning_rate": float("inf")}, "learning_rate must be a finite number > 0, got inf"),
         ({"lora": {"target_modules": []}}, "lora.target_modules: .*non-empty list of module names"),
+        ({"data_seed": -1}, "data_seed: .*greater than or equal to 0"),  # failed in a worker, in NumPy
         ({"num_workers": 0, "zero_stage": 7, "micro_batch_size": 0},  # every bad field at once
          "(?=.*num_workers)(?=.*zero_stage must be)(?=.*micro_batch_size must be)"),
     ],

@@ -60,8 +60,8 @@ class TrainingConfig(BaseModel):
 
     report_every_steps: int = Field(10, gt=0, description="loss logging interval (ray.train.report is costly)")
     checkpoint_every_steps: int = Field(50, gt=0)
-    seed: int = Field(0, description="model/LoRA init and dropout (per rank: seed + rank)")
-    data_seed: int = Field(0, description="data order")
+    seed: int = Field(0, ge=0, description="model/LoRA init and dropout (per rank: seed + rank)")
+    data_seed: int = Field(0, ge=0, description="data order (NumPy's generator takes no negative seed)")
 
     num_workers: int = Field(2, gt=0, description="Ray Train workers (one process each)")
     cpus_per_worker: int = Field(1, gt=0)
