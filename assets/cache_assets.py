@@ -31,9 +31,19 @@ def row_group_cache(context: dg.AssetExecutionContext, cache: RowGroupCache, tra
         dataset_digest=training_dataset.digest,
     )
     context.log.info("cache %s: %d entries, hit rate %.2f", report.cache_version, report.entries, report.hit_rate)
+    row_groups = report.hits + report.misses
+    if report.entries < row_groups:  # the quota (or other datasets' entries under `evict`) left no room
+        per_entry = report.bytes / report.entries if report.entries else None
+        context.log.warning(
+            f"row-group cache holds {report.entries} of this dataset's {row_groups} row groups: its quota "
+            f"(cache.size_limit_bytes={cache.size_limit_bytes}, policy {cache.policy}) has no room for the rest"
+            + (f" (~{per_entry * row_groups / 2**20:.0f} MiB for all of them)" if per_entry else "")
+            + "; training decodes those from Parquet"
+        )
     return dg.Output(
         WarmCache(str(cache_config.directory), report.cache_version, report.entries, report.bytes, report.hit_rate),
-        metadata={"cache_version": report.cache_version, "entries": report.entries, "bytes": report.bytes,
+        metadata={"cache_version": report.cache_version, "entries": report.entries, "row_groups": row_groups,
+                  "bytes": report.bytes,
                   "hit_rate": report.hit_rate, "misses": report.misses, "evictions": report.evictions,
                   "corruptions": report.corruptions, "orphan_files_removed": report.orphan_files_removed},
         data_version=dg.DataVersion(report.cache_version),

@@ -150,3 +150,31 @@ def test_a_failed_demo_ends_with_the_failing_step_and_its_own_error():
     result = dg.materialize([upstream, broken], raise_on_error=False)
     assert not result.success
     assert step_failures(result) == [("broken", "ValueError: bad row 1 in data.jsonl")]
+
+
+def test_a_cache_quota_too_small_for_the_dataset_is_reported_by_the_warming_step(tmp_path, demo_dataset, capfd):
+    from assets.cache_assets import row_group_cache
+    from resources import RowGroupCache, TesseraStorage
+
+    def warm(cache: RowGroupCache) -> tuple[dict, str]:
+        capfd.readouterr()
+        output = row_group_cache(dg.build_asset_context(partition_key="2026-11-01"), cache=cache,
+                                 training_dataset=demo_dataset)
+        return {name: value.value for name, value in output.metadata.items()}, capfd.readouterr().err  # Dagster's log
+
+    roomy, log = warm(RowGroupCache(storage=TesseraStorage(home=str(tmp_path / "roomy"))))
+    assert roomy["entries"] == roomy["row_groups"] == demo_dataset.row_groups
+    assert f": {demo_dataset.row_groups} entries, hit rate" in log  # the step's info line: the log is captured
+    assert "row-group cache holds" not in log
+
+    # Shard volumes include SQLite's own pages, so which quota holds how much is found, not computed.
+    partial_seen = False
+    for quota in range(150_000, 350_001, 25_000):
+        tight, log = warm(RowGroupCache(storage=TesseraStorage(home=str(tmp_path / f"q{quota}")),
+                                        size_limit_bytes=quota, policy="stop_admitting"))
+        assert tight["row_groups"] == demo_dataset.row_groups
+        warned = (f"row-group cache holds {tight['entries']} of this dataset's {demo_dataset.row_groups} row groups: "
+                  f"its quota (cache.size_limit_bytes={quota}, policy stop_admitting) has no room for the rest")
+        assert (warned in log) == (tight["entries"] < tight["row_groups"])
+        partial_seen |= 0 < tight["entries"] < tight["row_groups"]
+    assert partial_seen  # some quota in the range held part of the dataset
