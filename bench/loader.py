@@ -376,15 +376,17 @@ def plot(rows_per_s: dict[str, float | None], path: Path) -> None:
     plt.close(figure)
 
 
-def run(output_dir: Path, quick: bool = False) -> dict:
-    """Run every configuration; write ``loader.json`` and ``loader.png`` under ``output_dir``."""
+def run(output_dir: Path, quick: bool = False, petastorm: bool = True, data_root: Path = DATA_ROOT) -> dict:
+    """Run every configuration; write ``loader.json`` and ``loader.png`` under ``output_dir``.
+    ``petastorm=False`` skips the baseline (its venv is built on first use); datasets and caches
+    go under ``data_root``."""
     rows = 40_000 if quick else 200_000
     passes = 1 if quick else 3
     output_dir.mkdir(parents=True, exist_ok=True)
-    base = Path(_subprocess("dataset", rows=rows, directory=str(DATA_ROOT / f"rows-{rows}"))["path"])
-    large = Path(_subprocess("dataset", rows=5 * rows, directory=str(DATA_ROOT / f"rows-{5 * rows}"))["path"])
-    cache = str(DATA_ROOT / "cache-local")
-    slow_cache = str(DATA_ROOT / "cache-slow")
+    base = Path(_subprocess("dataset", rows=rows, directory=str(data_root / f"rows-{rows}"))["path"])
+    large = Path(_subprocess("dataset", rows=5 * rows, directory=str(data_root / f"rows-{5 * rows}"))["path"])
+    cache = str(data_root / "cache-local")
+    slow_cache = str(data_root / "cache-slow")
     r: dict[str, dict] = {}
     rounds: dict[str, list[dict]] = {"pyarrow_raw": [], "tessera_cold": [], "tessera_no_cache": []}
     for _ in range(1 if quick else SINGLE_PASS_ROUNDS):  # alternate, so drifting load hits all three alike
@@ -392,7 +394,7 @@ def run(output_dir: Path, quick: bool = False) -> dict:
         rounds["tessera_cold"].append(_subprocess("tessera", data=str(base), cache_dir=cache, clear_cache=True))
         rounds["tessera_no_cache"].append(_subprocess("tessera", data=str(base), cache_dir=cache, use_cache=False))
     r.update({name: _median_run(runs) for name, runs in rounds.items()})
-    large_cache = str(DATA_ROOT / "cache-5x")
+    large_cache = str(data_root / "cache-5x")
     r["fill_5x"] = _subprocess("tessera", data=str(large), cache_dir=large_cache, clear_cache=True)
     # At 1 M rows the cold pass outruns its cache writer and drops entries (by design: decoding never
     # waits for the cache); a warm round would then store them in its untimed epoch, and its peak
@@ -413,7 +415,7 @@ def run(output_dir: Path, quick: bool = False) -> dict:
     for _ in range(1 if quick else WARM_ROUNDS):
         for policy in CACHE_POLICIES:
             policy_rounds[policy].append(_subprocess(
-                "cache_policy", data=str(base), cache_dir=str(DATA_ROOT / f"cache-policy-{policy}"), policy=policy,
+                "cache_policy", data=str(base), cache_dir=str(data_root / f"cache-policy-{policy}"), policy=policy,
                 cache_fraction=POLICY_CACHE_FRACTION, epochs=POLICY_EPOCHS))
     r["cache_policies"] = {policy: _median_round(runs, "rows_per_s_after_first_epoch")
                            for policy, runs in policy_rounds.items()}
@@ -421,14 +423,17 @@ def run(output_dir: Path, quick: bool = False) -> dict:
                                                slow_store=True)
     r["tessera_slow_store_warm"] = _subprocess("tessera", data=str(base), cache_dir=slow_cache, slow_store=True,
                                                warmup=1, passes=passes)
-    r["order"] = _subprocess("order", data=str(base), cache_dir=str(DATA_ROOT / "cache-order"))
+    r["order"] = _subprocess("order", data=str(base), cache_dir=str(data_root / "cache-order"))
     r["ray_data"] = _subprocess("ray", data=str(base), passes=2)
-    try:
-        r["petastorm_warm"] = measure_petastorm(base, DATA_ROOT / "cache-petastorm", passes)
-        r["petastorm_warm"]["rows_per_s"] = r["petastorm_warm"]["warm_rows_per_s"]
-    except (subprocess.SubprocessError, OSError) as error:
-        logger.error("petastorm baseline failed: %s", error)
-        r["petastorm_warm"] = {"rows_per_s": None, "error": str(error)}
+    if not petastorm:
+        r["petastorm_warm"] = {"rows_per_s": None, "error": "skipped (--no-petastorm)"}
+    else:
+        try:
+            r["petastorm_warm"] = measure_petastorm(base, data_root / "cache-petastorm", passes)
+            r["petastorm_warm"]["rows_per_s"] = r["petastorm_warm"]["warm_rows_per_s"]
+        except (subprocess.SubprocessError, OSError) as error:
+            logger.error("petastorm baseline failed: %s", error)
+            r["petastorm_warm"] = {"rows_per_s": None, "error": str(error)}
     names = ["tessera_cold", "tessera_no_cache", "tessera_warm", "petastorm_warm", "ray_data", "pyarrow_raw",
              "tessera_slow_store_cold", "tessera_slow_store_warm", "tessera_warm_5x"]
     rates = {name: r[name]["rows_per_s"] for name in names}
@@ -486,6 +491,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="40k rows, one timed pass (smoke test)")
     parser.add_argument("--output-dir", type=Path, default=BENCH_DIR / "results")
+    parser.add_argument("--no-petastorm", action="store_true",
+                        help="skip the Petastorm 0.13.1 baseline (its own venv is built on first use)")
     parser.add_argument("--measure", choices=sorted(MEASUREMENTS), help=argparse.SUPPRESS)
     parser.add_argument("--kwargs", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -493,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(MEASUREMENTS[args.measure](**json.loads(args.kwargs)), default=float))  # for the parent
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    result = run(args.output_dir, quick=args.quick)
+    result = run(args.output_dir, quick=args.quick, petastorm=not args.no_petastorm)
     print(json.dumps({key: result[key] for key in ("rows_per_s", "peak_rss_mb", "stall_fraction",
                                                    "order_identical_across_workers", "ratios")}, indent=2))
 

@@ -107,7 +107,7 @@ def bench(args: argparse.Namespace) -> int:
     if args.which == "loader":
         from bench import loader
 
-        loader.main(["--quick"] if args.quick else [])
+        loader.main((["--quick"] if args.quick else []) + (["--no-petastorm"] if args.no_petastorm else []))
         return 0
     from bench import training
 
@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p_bench = sub.add_parser("bench", help="run a benchmark; writes bench/results/<name>.json and .png")
     p_bench.add_argument("which", choices=["loader", "train"])
     p_bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p_bench.add_argument("--no-petastorm", action="store_true",
+                         help="loader: skip the Petastorm baseline (its own venv is built on first use)")
     p_bench.set_defaults(handler=bench)
     args = parser.parse_args(argv)
     from pydantic import ValidationError
