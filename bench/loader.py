@@ -490,7 +490,9 @@ def run(output_dir: Path, quick: bool = False, petastorm: bool = True, data_root
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="40k rows, one timed pass (smoke test)")
-    parser.add_argument("--output-dir", type=Path, default=BENCH_DIR / "results")
+    parser.add_argument("--output-dir", type=Path, default=None,
+                        help="default bench/results, or bench/results/quick (git-ignored) with --quick, so that a "
+                             "smoke run never replaces the recorded results")
     parser.add_argument("--no-petastorm", action="store_true",
                         help="skip the Petastorm 0.13.1 baseline (its own venv is built on first use)")
     parser.add_argument("--measure", choices=sorted(MEASUREMENTS), help=argparse.SUPPRESS)
@@ -500,7 +502,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(MEASUREMENTS[args.measure](**json.loads(args.kwargs)), default=float))  # for the parent
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    result = run(args.output_dir, quick=args.quick, petastorm=not args.no_petastorm)
+    output_dir = args.output_dir or BENCH_DIR / "results" / ("quick" if args.quick else "")
+    result = run(output_dir, quick=args.quick, petastorm=not args.no_petastorm)
     print(json.dumps({key: result[key] for key in ("rows_per_s", "peak_rss_mb", "stall_fraction",
                                                    "order_identical_across_workers", "ratios")}, indent=2))
 

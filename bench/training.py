@@ -476,7 +476,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK.warmup_steps} + {QUICK.measured_steps} steps instead of "
                              f"{FULL.warmup_steps} + {FULL.measured_steps} (smoke test)")
-    parser.add_argument("--output-dir", type=Path, default=BENCH_DIR / "results")
+    parser.add_argument("--output-dir", type=Path, default=None,
+                        help="default bench/results, or bench/results/quick (git-ignored) with --quick, so that a "
+                             "smoke run never replaces the recorded results")
     parser.add_argument("--measure-plain", action="store_true", help=argparse.SUPPRESS)  # child of the ceiling run
     parser.add_argument("--warmup-steps", type=int, default=FULL.warmup_steps, help=argparse.SUPPRESS)
     parser.add_argument("--measured-steps", type=int, default=FULL.measured_steps, help=argparse.SUPPRESS)
@@ -487,7 +489,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    result = run(args.output_dir, quick=args.quick)
+    output_dir = args.output_dir or BENCH_DIR / "results" / ("quick" if args.quick else "")
+    result = run(output_dir, quick=args.quick)
     summary = {key: result[key] for key in ("s_per_step", "samples_per_s", "overhead_ratio_1_worker",
                                             "overhead_ratio_1_worker_cpu", "cpu_s_per_step",
                                             "scaling_2_vs_1", "startup_s", "ceiling_2_processes", "errors")}
