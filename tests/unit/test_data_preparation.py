@@ -95,6 +95,40 @@ def test_dataset_checks_catch_a_duplicated_row_and_a_leaked_eval_example(tmp_pat
     assert outcomes["schema"].passed and outcomes["no_empty_rows"].passed
 
 
+def test_dataset_checks_read_one_row_group_at_a_time(demo_dataset, demo_model, monkeypatch):
+    """A day's dataset need not fit in memory: no check reads the whole split at once."""
+    read_table = pq.read_table
+
+    def whole_table(source, *args, **kwargs):
+        assert "train" not in Path(str(source)).parts, f"read the whole training split: {source}"
+        return read_table(source, *args, **kwargs)  # the eval split is small (max_eval_examples)
+
+    monkeypatch.setattr(pq, "read_table", whole_table)
+    outcomes = run_dataset_checks(demo_dataset.path, demo_dataset.seq_len, load_tokenizer(demo_model.name_or_path))
+    assert all(o.passed for o in outcomes)
+    assert outcomes[1].metadata["rows"] == demo_dataset.train_rows
+
+
+def test_ragged_rows_or_a_file_of_another_schema_fail_the_schema_check_by_name(tmp_path, demo_dataset, demo_model):
+    tokenizer = load_tokenizer(demo_model.name_or_path)
+    ragged = Path(shutil.copytree(demo_dataset.path, tmp_path / "ragged"))
+    first_file = sorted((ragged / "train").glob("*.parquet"))[0]
+    table = pq.read_table(first_file)
+    short = table.column("input_ids")[0].as_py()[:-3]
+    extra = pa.table({"input_ids": [short], "labels": [short]}, schema=table.schema)
+    pq.write_table(pa.concat_tables([table, extra]), first_file)
+    outcomes = {o.name: o for o in run_dataset_checks(str(ragged), demo_dataset.seq_len, tokenizer)}
+    width = demo_dataset.seq_len
+    assert not outcomes["schema"].passed
+    assert outcomes["schema"].description == f"row widths [{width - 3}, {width}] != seq_len {width}"
+
+    other = Path(shutil.copytree(demo_dataset.path, tmp_path / "other"))
+    files = sorted((other / "train").glob("*.parquet"))
+    pq.write_table(pa.table({"input_ids": [[1, 2]], "labels": [[1, 2]]}), other / "train" / "zz-extra.parquet")
+    outcome = run_dataset_checks(str(other), demo_dataset.seq_len, tokenizer)[0]
+    assert not outcome.passed and outcome.description.startswith(f"zz-extra.parquet: another schema than {files[0].name}")
+
+
 def _naive_occurrences(rows: np.ndarray, sequences: set[tuple[int, ...]]) -> int:
     return sum(tuple(row[i : i + len(s)]) == s for row in rows.tolist() for s in sequences
                for i in range(len(row) - len(s) + 1))
