@@ -144,3 +144,25 @@ def load_tokenizer(name_or_path: str):
         # Common for Llama checkpoints: pad with eos; padded positions are masked in labels anyway.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+
+
+def check_context_length(name_or_path: str, seq_len: int) -> None:
+    """Refuse training rows longer than the model's positions, before any worker starts: a model
+    with learned positions fails inside a worker with an index error (a device assert on a GPU),
+    a rotary one trains on positions it never saw. A RoPE scaling in the model's config is taken
+    as a deliberate extension and accepted."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(name_or_path)
+    field, limit = next(((name, getattr(config, name)) for name in _CONTEXT_FIELDS
+                         if isinstance(getattr(config, name, None), int)), (None, None))
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    extended = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
+    if limit is not None and seq_len > limit and not extended:
+        raise ConfigError(
+            f"training rows of seq_len={seq_len} are longer than base model {name_or_path} allows ({field}={limit}); "
+            "lower seq_len (training_dataset config) or use a model with a longer context"
+        )

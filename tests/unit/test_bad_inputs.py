@@ -461,3 +461,21 @@ def test_a_home_folder_given_with_a_tilde_is_the_users_home(monkeypatch, tmp_pat
     monkeypatch.setenv("TESSERA_HOME", "~/tessera-state")
     assert default_home() == (tmp_path / "tessera-state").resolve()
     assert Path(default_home()).is_absolute()
+
+
+def test_training_rows_longer_than_the_models_positions_are_refused_before_workers_start(demo_model, tmp_path):
+    import shutil
+    from pathlib import Path
+
+    from training_core.base_model import check_context_length
+
+    limit = json.loads((Path(demo_model.name_or_path) / "config.json").read_text())["max_position_embeddings"]
+    check_context_length(demo_model.name_or_path, limit)
+    with pytest.raises(ConfigError, match=rf"training rows of seq_len={limit + 1} are longer than base model "
+                                          rf".* allows \(max_position_embeddings={limit}\); lower seq_len"):
+        check_context_length(demo_model.name_or_path, limit + 1)
+    scaled = Path(shutil.copytree(demo_model.name_or_path, tmp_path / "scaled"))
+    config = json.loads((scaled / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    (scaled / "config.json").write_text(json.dumps(config))
+    check_context_length(str(scaled), 2 * limit)  # a deliberate RoPE extension is the user's call

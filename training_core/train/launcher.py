@@ -10,6 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
+from training_core.base_model import check_context_length
 from training_core.errors import ConfigError
 from training_core.storage import directory_digest, replace_directory, staging_directory
 from training_core.train.checkpointing import (
@@ -77,6 +78,7 @@ def run_training(
         raise ConfigError(f"{FAULT_STEP_ENV}={fault_step} would never fire: the run stops at max_steps={config.max_steps}")
     warn_about_accelerator_env(config.use_gpu)
     check_training_data(train_dirs, config.micro_batch_size, config.num_workers)  # before any worker starts
+    check_context_length(model_path, seq_len)
     inputs = WorkerInputs(
         config=config.model_dump(mode="json"),
         model_path=model_path,
