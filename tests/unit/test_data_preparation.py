@@ -61,6 +61,31 @@ def test_dataset_is_content_addressed_and_row_grouped(tmp_path, demo_model):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".staging")]
 
 
+def test_streamed_writing_gives_the_rows_and_files_of_packing_everything_at_once(tmp_path, demo_model):
+    """The writer tokenizes in batches and writes a file whenever one is full; the result must be
+    what tokenizing one record at a time and packing the whole day gives, cut into the same files."""
+    from training_core.data import dataset_writer
+
+    tokenizer = load_tokenizer(demo_model.name_or_path)
+    records = generate_records("2026-11-04", 3 * dataset_writer._TOKENIZE_BATCH + 123)  # several batches
+    spec = DatasetSpec(row_group_rows=32, rows_per_file=100)
+    published = write_dataset(records, tokenizer, tmp_path, spec, source_label="p")
+
+    train = [r for r in records if not is_eval_example(r["prompt"], spec.eval_fraction)]
+    expected = pack_examples([tokenize_example(tokenizer, r["prompt"], r["response"]) for r in train],
+                             spec.seq_len, tokenizer.pad_token_id)
+    files = sorted(published.train_dir.glob("*.parquet"))
+    tables = [pq.read_table(f) for f in files]
+    assert [t.num_rows for t in tables[:-1]] == [100] * (len(files) - 1) and 0 < tables[-1].num_rows <= 100
+    assert all(pq.ParquetFile(f).metadata.row_group(0).num_rows == 32 for f in files)
+    for name in ("input_ids", "labels"):
+        written = np.concatenate([np.asarray(t.column(name).combine_chunks().flatten()) for t in tables])
+        np.testing.assert_array_equal(written.reshape(-1, spec.seq_len), expected[name])
+    assert published.train_rows == len(expected["input_ids"]) and published.train_examples == len(train)
+    eval_split = [r for r in records if is_eval_example(r["prompt"], spec.eval_fraction)]
+    assert read_eval_records(published.path) == eval_split[: spec.max_eval_examples]
+
+
 def test_deepspeed_config_has_concrete_values():
     config = build_deepspeed_config(TrainingConfig(zero_stage=3, offload_optimizer="cpu", micro_batch_size=4,
                                                    gradient_accumulation_steps=2), world_size=2)

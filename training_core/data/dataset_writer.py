@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from training_core.data.packing import is_eval_example, pack_examples, tokenize_example
+from training_core.data.packing import RowPacker, is_eval_example, tokenize_examples
 from training_core.data.sources import ORIGINS_FILE, RecordOrigins
 from training_core.errors import ConfigError, EmptyPartitionError
 from training_core.storage import directory_digest, publish_directory, staging_directory
@@ -82,50 +82,56 @@ def write_dataset(
 ) -> PublishedDataset:
     """Tokenize, split, pack and publish `records` under `output_root/<digest>`. `records_path`,
     when the records are one JSON Lines file in order (the frozen `raw_examples`), lets an error
-    name a record's line there."""
+    name a record's line there.
+
+    Streams: records are tokenized in batches, packed as they come and written a file at a time,
+    so memory holds one file of rows, not the tokens of the whole day. The bytes are those of
+    packing everything first (same rows, same files, same row groups), so digests do not change."""
     if not records:
         raise EmptyPartitionError(f"{source_label}: no records to write")
-    train_examples, train_indices, eval_records = [], [], []
-    for index, record in enumerate(records):
-        if is_eval_example(record["prompt"], spec.eval_fraction):
-            eval_records.append(record)
-        else:
-            train_examples.append(tokenize_example(tokenizer, record["prompt"], record["response"]))
-            train_indices.append(index)
-    if not train_examples:
-        raise EmptyPartitionError(f"{source_label}: every record fell into the eval split")
 
-    def describe(example: int) -> str:  # a training example as the user can find it
-        index = train_indices[example]
+    def describe(index: int) -> str:  # a record as the user can find it
         where = f"line {index + 1} of {records_path}" if records_path else f"record {index} (0-based)"
         origin = RecordOrigins.load(Path(records_path).parent / ORIGINS_FILE) if records_path else None
         if origin is not None and origin.describe(index):
             where += f", from {origin.describe(index)}"
         return f"{source_label}: {where} (prompt {records[index]['prompt'][:40]!r})"
 
-    packed = pack_examples(train_examples, spec.seq_len, tokenizer.pad_token_id, describe=describe)
-    if not eval_records:
-        # Refused here, not at evaluation: by then the window's model has trained for nothing.
-        raise EmptyPartitionError(
-            f"{source_label}: none of its {len(records)} records fell into the eval split "
-            f"(eval_fraction={spec.eval_fraction}, split by a hash of the prompt), so evaluation would have "
-            "nothing to score; raise eval_fraction or add records"
-        )
-    eval_records = eval_records[: spec.max_eval_examples]
-
+    packer = RowPacker(spec.seq_len, tokenizer.pad_token_id)
+    eval_records: list[dict[str, str]] = []
+    eval_count = train_examples = tokens = 0
     with staging_directory(output_root) as staging:
         train_dir = staging / "train"
         train_dir.mkdir()
-        table = pa.table({"input_ids": _fixed_list(packed["input_ids"]), "labels": _fixed_list(packed["labels"])})
-        files = 0
-        for start in range(0, table.num_rows, spec.rows_per_file):
-            pq.write_table(
-                table.slice(start, spec.rows_per_file),
-                train_dir / f"part-{files:05d}.parquet",
-                row_group_size=spec.row_group_rows,
-                compression="zstd",
+        files = _TrainFiles(train_dir, spec)
+        for start in range(0, len(records), _TOKENIZE_BATCH):
+            train_indices = []
+            for index in range(start, min(start + _TOKENIZE_BATCH, len(records))):
+                if is_eval_example(records[index]["prompt"], spec.eval_fraction):
+                    eval_count += 1
+                    if len(eval_records) < spec.max_eval_examples:
+                        eval_records.append(records[index])
+                else:
+                    train_indices.append(index)
+            examples = tokenize_examples(tokenizer, [records[i]["prompt"] for i in train_indices],
+                                         [records[i]["response"] for i in train_indices])
+            for index, example in zip(train_indices, examples):
+                packer.add(example, lambda: describe(index))  # noqa: B023 - called at once, if at all
+                tokens += len(example.prompt_ids) + len(example.response_ids)
+            train_examples += len(examples)
+            files.add(packer.take_rows())
+        if not train_examples:
+            raise EmptyPartitionError(f"{source_label}: every record fell into the eval split")
+        if not eval_count:
+            # Refused here, not at evaluation: by then the window's model has trained for nothing.
+            raise EmptyPartitionError(
+                f"{source_label}: none of its {len(records)} records fell into the eval split "
+                f"(eval_fraction={spec.eval_fraction}, split by a hash of the prompt), so evaluation would have "
+                "nothing to score; raise eval_fraction or add records"
             )
-            files += 1
+        packer.finish()
+        files.add(packer.take_rows())
+        files.close()
         pq.write_table(
             pa.table({"prompt": [r["prompt"] for r in eval_records], "response": [r["response"] for r in eval_records]}),
             staging / EVAL_FILE,
@@ -133,8 +139,8 @@ def write_dataset(
         manifest = {
             "spec": asdict(spec),
             "source": source_label,
-            "train_rows": table.num_rows,
-            "train_examples": len(train_examples),
+            "train_rows": files.rows,
+            "train_examples": train_examples,
             "eval_examples": len(eval_records),
             **(extra_manifest or {}),
         }
@@ -146,14 +152,49 @@ def write_dataset(
     return PublishedDataset(
         path=str(final),
         digest=digest,
-        train_rows=table.num_rows,
-        train_examples=len(train_examples),
+        train_rows=files.rows,
+        train_examples=train_examples,
         eval_examples=len(eval_records),
         row_groups=row_groups,
-        files=files,
+        files=files.count,
         seq_len=spec.seq_len,
-        tokens=sum(len(e.prompt_ids) + len(e.response_ids) for e in train_examples),
+        tokens=tokens,
     )
+
+
+_TOKENIZE_BATCH = 2048  # records per batched tokenizer call
+
+
+class _TrainFiles:
+    """Packed rows to `part-NNNNN.parquet` files of `rows_per_file` rows, each written once full."""
+
+    def __init__(self, directory: Path, spec: DatasetSpec) -> None:
+        self.directory, self.spec = directory, spec
+        self.count = self.rows = 0
+        self._pending: list[dict[str, np.ndarray]] = []
+        self._pending_rows = 0
+
+    def add(self, rows: dict[str, np.ndarray]) -> None:
+        if len(rows["input_ids"]):
+            self._pending.append(rows)
+            self._pending_rows += len(rows["input_ids"])
+        while self._pending_rows >= self.spec.rows_per_file:
+            self._write(self.spec.rows_per_file)
+
+    def close(self) -> None:
+        if self._pending_rows:
+            self._write(self._pending_rows)
+
+    def _write(self, count: int) -> None:
+        joined = {name: np.concatenate([part[name] for part in self._pending]) for name in ("input_ids", "labels")}
+        table = pa.table({name: _fixed_list(values[:count]) for name, values in joined.items()})
+        pq.write_table(table, self.directory / f"part-{self.count:05d}.parquet",
+                       row_group_size=self.spec.row_group_rows, compression="zstd")
+        rest = {name: values[count:] for name, values in joined.items()}
+        self._pending = [rest] if len(rest["input_ids"]) else []
+        self._pending_rows -= count
+        self.count += 1
+        self.rows += count
 
 
 def read_eval_records(dataset_path: str | Path) -> list[dict[str, str]]:
