@@ -6,6 +6,7 @@ a later run of downstream assets alone then fails to unpickle it, or loads a val
 does not name. Here each value goes to a temporary file next to it, renamed over the old one.
 """
 
+import dataclasses
 import os
 import uuid
 
@@ -29,15 +30,42 @@ class AtomicPickleIOManager(PickledObjectFilesystemIOManager):
 
     def _load_partition_from_path(self, context: dg.InputContext, partition_key: str, path, backcompat_path=None):
         try:
-            return super()._load_partition_from_path(context, partition_key, path, backcompat_path)
+            value = super()._load_partition_from_path(context, partition_key, path, backcompat_path)
         except FileNotFoundError as error:  # a day inside a training window was never materialized
             raise FileNotFoundError(_never_materialized(context, f"partition {partition_key}", path)) from error
+        except (AttributeError, ImportError) as error:  # pickled class renamed or moved since
+            raise StaleValueError(_stale(context, f"partition {partition_key}", path, str(error))) from error
+        return _current(context, value, f"partition {partition_key}", path)
 
     def _load_single_input(self, path, context: dg.InputContext):
         try:
-            return super()._load_single_input(path, context)
+            value = super()._load_single_input(path, context)
         except FileNotFoundError as error:
             raise FileNotFoundError(_never_materialized(context, "", path)) from error
+        except (AttributeError, ImportError) as error:
+            raise StaleValueError(_stale(context, "", path, str(error))) from error
+        return _current(context, value, "", path)
+
+
+class StaleValueError(RuntimeError):
+    """A stored asset value was written by a version of Tessera whose types have changed since."""
+
+
+def _current(context: dg.InputContext, value, which: str, path):
+    """A dataclass unpickled from an older version lacks the fields added since; without this
+    check the step fails later with an AttributeError that names neither the asset nor the fix."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__dict__"):
+        missing = [field.name for field in dataclasses.fields(value) if field.name not in vars(value)]
+        if missing:
+            raise StaleValueError(_stale(context, which, path, f"{type(value).__name__} lacks {', '.join(missing)}"))
+    return value
+
+
+def _stale(context: dg.InputContext, which: str, path, detail: str) -> str:
+    upstream = context.asset_key.to_user_string() if context.has_asset_key else context.upstream_output.name
+    what = f"{upstream} {which}".strip()
+    return (f"input {context.name!r}: the stored value of {what} at {path} was written by an older version of "
+            f"Tessera ({detail}); materialize {what} again")
 
 
 def _never_materialized(context: dg.InputContext, which: str, path) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -134,6 +135,40 @@ def test_a_window_day_never_materialized_is_named_with_what_to_materialize(tmp_p
     assert message.startswith("input 'daily_rows' needs daily_rows partition 2026-11-02, which has not been "
                                  "materialized here (no stored value at ")
     assert message.endswith("materialize daily_rows partition 2026-11-02 first (a backfill over the window's days does it)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _StoredShape:
+    path: str
+    rows: int
+
+
+def test_a_value_stored_by_an_older_version_is_named_with_what_to_rematerialize(tmp_path):
+    """A dataclass that gained a field since a value was pickled unpickles without it; the
+    downstream step then failed with an AttributeError naming neither the asset nor the fix."""
+    import pickle
+
+    from resources.io_manager import AtomicFilesystemIOManager, StaleValueError
+
+    @dg.asset
+    def stored() -> _StoredShape:
+        return _StoredShape("/data/v1", 10)
+
+    @dg.asset
+    def reader(stored: _StoredShape) -> int:
+        return stored.rows
+
+    resources = {"io_manager": AtomicFilesystemIOManager(base_dir=str(tmp_path))}
+    with dg.instance_for_test() as instance:
+        assert dg.materialize([stored], instance=instance, resources=resources).success
+        assert dg.materialize([stored, reader], selection=[reader], instance=instance, resources=resources).success
+        older = _StoredShape("/data/v0", 1)
+        object.__delattr__(older, "rows")  # as pickled before the field existed
+        (tmp_path / "stored").write_bytes(pickle.dumps(older))
+        with pytest.raises(StaleValueError, match=r"^input 'stored': the stored value of stored at .*stored was "
+                                                  r"written by an older version of Tessera \(_StoredShape lacks rows\); "
+                                                  r"materialize stored again$"):
+            dg.materialize([stored, reader], selection=[reader], instance=instance, resources=resources)
 
 
 def test_a_failed_demo_ends_with_the_failing_step_and_its_own_error():
