@@ -6,6 +6,7 @@
 """
 
 
+import time
 from typing import Any
 
 from dagster_ray import Lifecycle, LocalRay, RayResource
@@ -120,8 +121,9 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
 
     connect_timeout_s: float = Field(
         30.0, gt=0,
-        description="how long to wait for the head node to accept connections before the step fails "
-                    "(a wrong address otherwise hangs in ray.init for minutes)",
+        description="how long to wait for the head node to accept connections, and then for enough nodes "
+                    "to have joined for the worker group, before the step fails (a wrong address otherwise "
+                    "hangs in ray.init for minutes)",
     )
 
     @field_validator("address")
@@ -202,9 +204,11 @@ def wait_until_reachable(address: str, timeout_s: float) -> None:
         ) from error
 
 
-def check_cluster_capacity(training_config, ray_cluster: Any, log: Any) -> None:
+def check_cluster_capacity(training_config, ray_cluster: Any, log: Any, poll_s: float = 1.0) -> None:
     """Fail before Ray Train waits for ever for a worker group the connected cluster cannot hold.
-    A cluster that adds nodes on demand (``autoscaling``) only gets a warning: the nodes may come."""
+    A cluster that adds nodes on demand (``autoscaling``) only gets a warning: the nodes may come.
+    An external cluster gets ``connect_timeout_s`` for nodes that are still joining (a cluster
+    started moments ago); in-process Ray has all it will ever have at once."""
     import ray
 
     from training_core.errors import ConfigError
@@ -214,6 +218,11 @@ def check_cluster_capacity(training_config, ray_cluster: Any, log: Any) -> None:
     if getattr(ray_cluster, "autoscaling", True):
         log.warning(f"{shortfall}; waiting for the cluster's autoscaler to add nodes")
         return
+    deadline = time.monotonic() + float(getattr(ray_cluster, "connect_timeout_s", 0.0))
+    while time.monotonic() + poll_s <= deadline:
+        time.sleep(poll_s)
+        if (shortfall := training_config.capacity_shortfall(ray.cluster_resources())) is None:
+            return
     raise ConfigError(shortfall)
 
 

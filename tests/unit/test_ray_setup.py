@@ -275,7 +275,13 @@ def test_only_a_cluster_that_can_add_nodes_waits_for_a_worker_group_larger_than_
     with pytest.raises(ConfigError, match="num_workers=3 × 1 CPU per worker needs 3 CPU, and the Ray cluster has 2"):
         check_cluster_capacity(too_big, LocalRayCluster(), log)
     with pytest.raises(ConfigError, match="needs 3 CPU"):
-        check_cluster_capacity(too_big, ExternalRayCluster(address="10.0.0.5:6379"), log)
+        check_cluster_capacity(too_big, ExternalRayCluster(address="10.0.0.5:6379", connect_timeout_s=0.05), log,
+                               poll_s=0.01)
+    joining = iter([{"CPU": 2.0}, {"CPU": 2.0}, {"CPU": 3.0}])  # a node registers while we wait
+    monkeypatch.setattr(ray, "cluster_resources", lambda: next(joining))
+    check_cluster_capacity(too_big, ExternalRayCluster(address="10.0.0.5:6379", connect_timeout_s=5), log,
+                           poll_s=0.01)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
     warnings = []
     monkeypatch.setattr(log, "warning", warnings.append)
     check_cluster_capacity(too_big, ExternalRayCluster(address="10.0.0.5:6379", autoscaling=True), log)
