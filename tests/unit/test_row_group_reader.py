@@ -299,6 +299,16 @@ def test_reader_arguments_are_checked_by_name_before_any_thread_starts(ids_datas
         reader.set_epoch(-2)
 
 
+def test_numpy_integer_arguments_give_a_json_state_that_loads_back(ids_dataset):
+    with RowGroupReader(ids_dataset, batch_size=np.int64(100), seed=np.int64(3), epoch=np.int32(1)) as reader:
+        next(iter(reader))
+        state = reader.state_dict()
+    assert json.loads(json.dumps(state)) == state and state["seed"] == 3 and state["epoch"] == 1
+    with RowGroupReader(ids_dataset, batch_size=100, seed=3) as reader:
+        reader.load_state_dict(state)
+        assert reader.state_dict() == state
+
+
 def test_a_damaged_reader_state_names_its_bad_field_and_leaves_the_reader_as_it_was(ids_dataset):
     from training_core.data.reader import ReaderStateError
 

@@ -126,7 +126,7 @@ def _check_state(state: Any) -> None:
         if rule is bool:
             if not isinstance(value, bool):
                 raise ReaderStateError(f"reader state {name}={value!r}: expected true or false")
-        elif isinstance(value, bool) or not isinstance(value, int) or value < rule:
+        elif isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < rule:
             raise ReaderStateError(f"reader state {name}={value!r}: expected an integer >= {rule}")
 
 
@@ -258,11 +258,11 @@ class RowGroupReader:
     def state_dict(self) -> dict[str, Any]:
         """Global position as a few JSON scalars; identical on every rank in lockstep."""
         p = self._position
-        return {
-            "format": STATE_FORMAT, "epoch": p.epoch, "samples_in_epoch": p.consumed,
-            "layout_world_size": p.layout_world_size, "layout_batch_size": p.layout_batch_size,
-            "num_rows": self._index.num_rows, "seed": self.seed, "shuffle": self.shuffle,
-            "shuffle_buffer_row_groups": self.shuffle_buffer_row_groups, "drop_last": self.drop_last,
+        return {  # plain Python scalars: NumPy integers (a seed given as np.int64) are not JSON
+            "format": STATE_FORMAT, "epoch": int(p.epoch), "samples_in_epoch": int(p.consumed),
+            "layout_world_size": int(p.layout_world_size), "layout_batch_size": int(p.layout_batch_size),
+            "num_rows": int(self._index.num_rows), "seed": int(self.seed), "shuffle": bool(self.shuffle),
+            "shuffle_buffer_row_groups": int(self.shuffle_buffer_row_groups), "drop_last": bool(self.drop_last),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
