@@ -51,12 +51,13 @@ def check_tracking_uri(uri: str) -> None:
             raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: folder {database.parent} does not exist")
 
 
-SERVER_CONNECT_TIMEOUT_S = 10.0
+SERVER_CONNECT_TIMEOUT_S = 30.0  # rides out a server restart; a wrong URI fails in 30 s, not ~4 min
 
 
 def _check_server_listens(uri: str, scheme: str) -> None:
     """MLflow's client retries a refused connection with backoff for ~4 minutes before it fails.
-    One attempt: a tracking server is a long-running service, not one starting with the run."""
+    Tries again each second for up to SERVER_CONNECT_TIMEOUT_S, so a server that is restarting
+    (a rolling deploy) does not fail the step."""
     from urllib.parse import urlparse
 
     from resources.reachability import connection_refusal
@@ -66,7 +67,7 @@ def _check_server_listens(uri: str, scheme: str) -> None:
     if not parsed.hostname:
         raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: no host name")
     port = parsed.port or (443 if scheme == "https" else 80)
-    if error := connection_refusal(parsed.hostname, port, SERVER_CONNECT_TIMEOUT_S, poll_s=SERVER_CONNECT_TIMEOUT_S):
+    if error := connection_refusal(parsed.hostname, port, SERVER_CONNECT_TIMEOUT_S):
         raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: no MLflow server accepted a connection at "
-                          f"{parsed.hostname}:{port} ({error}); start it "
+                          f"{parsed.hostname}:{port} within {SERVER_CONNECT_TIMEOUT_S:g} s ({error}); start it "
                           "(`mlflow server --port ...`) or fix the URI")

@@ -389,16 +389,19 @@ def test_mlflow_tracking_uris_that_would_misread_or_start_empty_are_refused(uri,
             check_tracking_uri(good)
 
 
-def test_an_mlflow_server_uri_where_nothing_listens_fails_at_once_not_after_minutes_of_retries():
+def test_an_mlflow_server_uri_where_nothing_listens_fails_at_once_not_after_minutes_of_retries(monkeypatch):
     import socket
 
+    from resources import mlflow_tracker
     from resources.mlflow_tracker import check_tracking_uri
+
+    monkeypatch.setattr(mlflow_tracker, "SERVER_CONNECT_TIMEOUT_S", 0.5)  # 30 s in use: a restart passes
 
     with socket.socket() as closed:  # bound, never listening: connections are refused
         closed.bind(("127.0.0.1", 0))
         uri = f"http://127.0.0.1:{closed.getsockname()[1]}"
         with pytest.raises(ConfigError, match=rf"mlflow_tracker.tracking_uri '{uri}': no MLflow server accepted a "
-                                              rf"connection at 127.0.0.1:{closed.getsockname()[1]} \(.*refused"):
+                                              rf"connection at 127.0.0.1:{closed.getsockname()[1]} within 0.5 s \(.*refused"):
             check_tracking_uri(uri)
 
 
