@@ -1,18 +1,22 @@
 """evaluation (+ gates) → promoted_model (MLflow registry alias `champion`)."""
 
-import tempfile
 from dataclasses import dataclass
+from typing import Literal
 
 import dagster as dg
+from dagster_ray import RayResource
 from pydantic import Field
 
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
 from assets.training_assets import TrainedModel
-from resources import MlflowTracker
+from resources import MlflowTracker, TesseraStorage
+from resources.ray_cluster import connect_to_cluster, gpu_available_in_cluster
 from training_core.base_model import BaseModelRef
 from training_core.data.window import DatasetWindow
 from training_core.errors import EmptyPartitionError
-from training_core.evaluate.compare import EvaluationReport, evaluate_against_base, evaluate_trained
+from training_core.evaluate.compare import EvaluationJob, EvaluationReport, run_evaluation
+from training_core.evaluate.settings import EvalSettings
+from training_core.storage import staging_directory
 from training_core.tracking import ModelRegistry
 
 REGISTERED_MODEL = "tessera-adapter"
@@ -38,6 +42,19 @@ class EvaluationConfig(dg.Config):
         description="not_worse_than_champion passes when held-out loss ≤ champion's × (1 + this) "
         "(0.05: at most 5 % higher)",
     )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the models are evaluated: 'auto' is the GPU when the evaluating process "
+        "sees one (with on_ray_cluster, when the Ray cluster has one), else the CPU",
+    )
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="weights' dtype while evaluating; bf16 needs a GPU")
+    batch_size: int = Field(64, ge=1, description="held-out examples per forward pass and per generate() call")
+    on_ray_cluster: bool = Field(
+        False, description="evaluate in a task on the training's Ray cluster (e.g. on its GPUs) instead of in this "
+        "step's process; model folders must be on storage the cluster shares",
+    )
+
+    def settings(self) -> EvalSettings:
+        return EvalSettings(self.device, self.precision, self.batch_size)
 
 
 @dg.asset(
@@ -57,6 +74,8 @@ def evaluation(
     context: dg.AssetExecutionContext,
     config: EvaluationConfig,
     mlflow_tracker: MlflowTracker,
+    storage: TesseraStorage,
+    ray_cluster: RayResource,
     training_dataset,
     base_model: BaseModelRef,
     lora_adapter: TrainedModel,
@@ -75,17 +94,38 @@ def evaluation(
             f"training_dataset partitions {', '.join(window.partition_keys)}: no held-out (eval) records to evaluate "
             "on; rematerialize them with a larger eval_fraction or more records"
         )
-    base, trained = evaluate_against_base(base_model.name_or_path, lora_adapter.model_dir, records)
+    settings = config.settings()  # a bad combination fails here, before a model is loaded
     tracking = mlflow_tracker.client()
     registry = ModelRegistry(tracking, REGISTERED_MODEL, CHAMPION_ALIAS)
     champion = registry.champion()
-    champion_metrics = None
-    if champion is not None and champion.run_id != lora_adapter.mlflow_run_id:  # a reused run often is it
-        with tempfile.TemporaryDirectory() as tmp:
-            champion_metrics = evaluate_trained(*registry.download(champion, tmp), records)
-    report = EvaluationReport(base, trained, lora_adapter.model_dir, lora_adapter.mlflow_run_id, champion_metrics)
-    tracking.log_metrics(lora_adapter.mlflow_run_id, report.as_metrics())
-    yield dg.Output(report, metadata={k: float(v) for k, v in report.as_metrics().items()})
+    # Downloaded into the state folder, not /tmp: a Ray task on another node reads it from there.
+    with staging_directory(storage.folder("models") / "champion-downloads") as downloads:
+        job = EvaluationJob(
+            base_model.name_or_path, lora_adapter.model_dir, records, settings,
+            # a reused run often is the champion: nothing to compare against
+            registry.download(champion, downloads) if champion and champion.run_id != lora_adapter.mlflow_run_id else None,
+        )
+        if config.on_ray_cluster:
+            import ray
+
+            from training_core.evaluate.on_ray import evaluate_on_ray
+
+            if not ray.is_initialized():  # training in this run already connected
+                connect_to_cluster(ray_cluster, context)
+            outcome = evaluate_on_ray(job, gpu_available_in_cluster())
+        else:
+            outcome = run_evaluation(job)
+    report = EvaluationReport(outcome.base, outcome.trained, lora_adapter.model_dir, lora_adapter.mlflow_run_id,
+                              outcome.champion)
+    # The settings beside the metrics they produced: `tessera reproduce` evaluates with them.
+    tracking.log_batch(lora_adapter.mlflow_run_id, metrics=report.as_metrics(), tags=outcome.settings.as_tags())
+    context.log.info("evaluated on %s in %s, batch size %d, by %s%s", outcome.settings.device,
+                     outcome.settings.precision, outcome.settings.batch_size, outcome.where,
+                     " (a Ray task)" if config.on_ray_cluster else "")
+    yield dg.Output(report, metadata={**{k: float(v) for k, v in report.as_metrics().items()},
+                                      "eval_device": outcome.settings.device,
+                                      "eval_precision": outcome.settings.precision,
+                                      "evaluated_by": outcome.where})
     yield _beats_base_model(report, config.max_loss_ratio)
     yield _not_worse_than_champion(report, champion.run_id if champion else None, config.champion_tolerance)
 

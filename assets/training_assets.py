@@ -11,7 +11,7 @@ from pydantic import Field
 from assets.cache_assets import WarmCache
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
 from resources import MlflowTracker, RowGroupCache, TesseraStorage
-from resources.ray_cluster import check_cluster_capacity, connect_for_training, gpu_available_in_cluster
+from resources.ray_cluster import check_cluster_capacity, connect_to_cluster, gpu_available_in_cluster
 from training_core.base_model import BaseModelRef
 from training_core.data.window import DatasetWindow, window_digest
 from training_core.runs import TrainingInputs, run_tracked_training
@@ -143,7 +143,7 @@ def _connect_and_check(ray_cluster: RayResource, context: dg.AssetExecutionConte
     import ray
 
     if not ray.is_initialized():
-        connect_for_training(ray_cluster, context)
+        connect_to_cluster(ray_cluster, context)
     training_config.check_hardware(gpu_available_in_cluster())
     check_cluster_capacity(training_config, ray_cluster, context.log)
 

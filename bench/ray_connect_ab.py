@@ -1,7 +1,7 @@
 """A/B of a Dagster training run's Ray connect: dagster-ray's Ray Data options applied or not.
 
 What a Dagster run's training asset does on local Ray, in alternating fresh processes: build
-`LocalRayCluster` as the local definitions do, `connect_for_training` (``ray.init``; with
+`LocalRayCluster` as the local definitions do, `connect_to_cluster` (``ray.init``; with
 ``apply_on_connect`` dagster-ray also applies its Ray Data options in the driver and in one
 worker), then one 2-worker ``TorchTrainer`` run whose function does nothing. Prints one line per
 process (connect / fit / total seconds) and a JSON summary.
@@ -33,14 +33,14 @@ def _one_process(apply_on_connect: bool) -> dict[str, float]:
     from dagster_ray import Lifecycle
     from ray.train.torch import TorchConfig
 
-    from resources.ray_cluster import LocalRayCluster, RayDataOptions, connect_for_training
+    from resources.ray_cluster import LocalRayCluster, RayDataOptions, connect_to_cluster
     from training_core.train.ray_trainer import torch_trainer_class, use_quick_health_checks
 
     use_quick_health_checks()
     cluster = LocalRayCluster(lifecycle=Lifecycle(connect=False), ray_init_options={"logging_level": "warning"},
                               data_execution_options=RayDataOptions(apply_on_connect=apply_on_connect))
     began = time.perf_counter()
-    connect_for_training(cluster, dg.build_init_resource_context())
+    connect_to_cluster(cluster, dg.build_init_resource_context())
     connected = time.perf_counter()
     torch_trainer_class()(
         _noop, torch_config=TorchConfig(backend="gloo"),

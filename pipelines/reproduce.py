@@ -13,7 +13,7 @@ from pipelines.resources_local import RAY_ADDRESS_ENV, local_resources
 from resources import ExternalRayCluster
 from resources.ray_cluster import RayClusterUnreachable, gpu_available_in_cluster, wait_until_reachable
 from training_core.data.window import eval_records
-from training_core.errors import LineageError
+from training_core.errors import ConfigError, LineageError
 from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
 from training_core.reproduce import compare_runs, lineage_drift, load_recorded_run
 from training_core.runs import run_tracked_training
@@ -41,6 +41,12 @@ def reproduce_run(run_id: str, console: Console) -> int:
         console.print(f"[red]cannot reproduce:[/] {escape(str(error))}")
         return 2
     recorded.config.check_hardware(gpu_available_in_cluster())  # a GPU run on a CPU-only cluster
+    try:  # evaluated as the original was (a bf16 GPU evaluation gives other losses): checked before training
+        eval_settings = recorded.eval_settings.for_this_process()
+    except ConfigError as error:
+        console.print(f"[red]cannot reproduce:[/] run {escape(run_id)} was evaluated with "
+                      f"{escape(str(recorded.eval_settings))}: {escape(str(error))}")
+        return 2
     import ray
 
     if shortfall := recorded.config.capacity_shortfall(ray.cluster_resources()):  # Ray Train would wait for ever
@@ -55,17 +61,18 @@ def reproduce_run(run_id: str, console: Console) -> int:
     if "://" not in storage.ray_storage:
         shutil.rmtree(Path(storage.ray_storage) / tracked.result.run_name, ignore_errors=True)
     records = eval_records(recorded.inputs.dataset_paths)
-    base, trained = evaluate_against_base(recorded.inputs.base_model, tracked.result.model_dir, records)
+    base, trained = evaluate_against_base(recorded.inputs.base_model, tracked.result.model_dir, records, eval_settings)
     report = EvaluationReport(base, trained, tracked.result.model_dir, tracked.mlflow_run_id)
-    tracking.log_metrics(tracked.mlflow_run_id, report.as_metrics())
+    tracking.log_batch(tracked.mlflow_run_id, metrics=report.as_metrics(), tags=eval_settings.as_tags())
     rows = compare_runs(tracking, run_id, tracked.mlflow_run_id)
     table = Table(title=f"reproduce {run_id} → {tracked.mlflow_run_id}")
     for column in ("metric", "original", "reproduced", "match"):
         table.add_column(column)
     for name, a, b, equal in rows:
-        table.add_row(name, _fmt(a), _fmt(b), "[green]yes[/]" if equal else "[red]NO[/]")
+        match = "not recorded" if equal is None else "[green]yes[/]" if equal else "[red]NO[/]"
+        table.add_row(name, _fmt(a), _fmt(b), match)
     console.print(table)
-    return 0 if all(equal for *_, equal in rows) else 1
+    return 0 if all(equal is not False for *_, equal in rows) else 1
 
 
 def _connect_to_ray(address: str | None) -> None:

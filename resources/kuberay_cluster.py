@@ -137,7 +137,7 @@ def kuberay_cluster_from_manifest(
     options: dict[str, Any] = {
         "ray_cluster": raycluster_config_from_manifest(manifest),
         # Nothing at step start: the training asset creates / waits / connects only when it trains
-        # (`connect_for_training`), so a step that reuses an earlier run starts no cluster.
+        # (`connect_to_cluster`), so a step that reuses an earlier run starts no cluster.
         # attach: the cluster outlives the step; ephemeral: the step's cluster goes with it.
         "lifecycle": Lifecycle(create=False, wait=False, connect=False, cleanup="always" if ephemeral else "never"),
         **resource_options,

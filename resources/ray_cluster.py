@@ -166,12 +166,12 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
         return True
 
 
-def connect_for_training(ray_cluster: RayResource, context) -> None:
+def connect_to_cluster(ray_cluster: RayResource, context) -> None:
     """Create (if needed), wait for and connect to ``ray_cluster``: the steps dagster-ray runs at
     resource set-up when the ``Lifecycle`` flags are on (its private ``_connect``, spelled with the
     public methods and hooks). Tessera's clusters turn them off, so a
     step that reuses an earlier training run starts, creates and connects to nothing; the training
-    asset calls this only when it trains. ``created``/``ready`` are already true for local and
+    asset calls this only when it trains, the evaluation asset only when it evaluates on the cluster. ``created``/``ready`` are already true for local and
     external clusters, so for them this is only ``connect``."""
     if not ray_cluster.created:
         ray_cluster.create(context)

@@ -13,6 +13,7 @@ from training_core.data import cache_version
 from training_core.data.batch_columns import TRAINING_COLUMNS
 from training_core.data.window import window_digest
 from training_core.errors import ConfigError, LineageError
+from training_core.evaluate.settings import EvalSettings
 from training_core.lineage import code_version, installed_version, parse_dataset_paths
 from training_core.runs import TrainingInputs
 from training_core.storage import changed_files, directory_digest
@@ -32,6 +33,7 @@ class RecordedRun:
     config: TrainingConfig
     inputs: TrainingInputs
     params: dict[str, str]
+    eval_settings: EvalSettings  # what its eval metrics were produced with (defaults if never evaluated)
 
 
 def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: str | None) -> RecordedRun:
@@ -77,7 +79,11 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
         cache_version=params["cache_version"],
         partition_keys=[k for k in params.get("partition_keys", "").split(",") if k],
     )
-    return RecordedRun(run_id, config, inputs, params)
+    try:
+        eval_settings = EvalSettings.from_tags(run.data.tags)
+    except ConfigError as error:
+        raise LineageError(f"run {run_id}: its evaluation settings cannot be read back: {error}") from None
+    return RecordedRun(run_id, config, inputs, params, eval_settings)
 
 
 def lineage_drift(params: dict[str, str]) -> list[tuple[str, str, str]]:
@@ -165,8 +171,9 @@ def _seq_len(run_id: str, dataset: Path) -> int:
         raise LineageError(f"run {run_id}: cannot read spec.seq_len from {manifest}: {error!r}") from error
 
 
-def compare_runs(tracking: MlflowTracking, original_id: str, reproduced_id: str) -> list[tuple[str, float | None, float | None, bool]]:
-    """(metric, original, reproduced, equal) for the loss curve and every final metric both runs have."""
+def compare_runs(tracking: MlflowTracking, original_id: str, reproduced_id: str) -> list[tuple[str, float | None, float | None, bool | None]]:
+    """(metric, original, reproduced, equal) for the loss curve and every final metric either run has;
+    equal is None for a metric the original run never recorded."""
     client = tracking.client
 
     def curve(run_id: str) -> list[float]:
@@ -182,7 +189,8 @@ def compare_runs(tracking: MlflowTracking, original_id: str, reproduced_id: str)
     for name in comparable:
         if name in original or name in reproduced:
             a, b = original.get(name), reproduced.get(name)
-            rows.append((name, a, b, a == b))
+            # None: the original never recorded it (e.g. its evaluation step did not run), nothing to compare
+            rows.append((name, a, b, None if a is None else a == b))
     return rows
 
 

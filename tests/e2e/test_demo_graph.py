@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import dagster as dg
@@ -193,6 +194,29 @@ def test_reproduce_reruns_from_lineage_and_matches_exactly(demo_run):
     assert curve(reproduced.info.run_id) == curve(original)
     assert reproduced.data.metrics["eval_exact_match"] == client.get_run(original).data.metrics["eval_exact_match"]
     assert not list((home / "ray").glob("*reproduce*"))  # a reproduction's checkpoints are removed
+
+
+def test_evaluation_as_a_ray_task_scores_like_the_step_process_and_records_its_settings(demo_run):
+    home, _ = demo_run
+    # The latest lora_adapter of this day is the weak one of the gate test, so the champion is scored too;
+    # a wide tolerance lets its gate pass (a failed blocking check fails the step).
+    settings = {"batch_size": 16, "champion_tolerance": 1e4, "max_loss_ratio": 1e4}
+    local = _materialize(home, selection=["evaluation"], run_config={"ops": {"evaluation": {"config": settings}}})
+    on_ray = _materialize(home, selection=["evaluation"],
+                          run_config={"ops": {"evaluation": {"config": {**settings, "on_ray_cluster": True}}}})
+    assert local.success and on_ray.success
+    where = {name: _materialization(result, "evaluation").metadata["evaluated_by"].value
+             for name, result in (("local", local), ("ray", on_ray))}
+    assert where["local"].endswith(f" pid {os.getpid()}") and not where["ray"].endswith(f" pid {os.getpid()}")
+    a, b = local.output_for_node("evaluation"), on_ray.output_for_node("evaluation")
+    for metrics_a, metrics_b in ((a.base, b.base), (a.trained, b.trained), (a.champion, b.champion)):
+        assert metrics_b.exact_match == metrics_a.exact_match
+        assert metrics_b.loss == pytest.approx(metrics_a.loss, rel=1e-5)  # another process, other thread count
+    run = MlflowClient(f"sqlite:///{home / 'mlflow.db'}").get_run(b.mlflow_run_id)
+    assert {k: v for k, v in run.data.tags.items() if k.startswith("tessera.eval.")} == {
+        "tessera.eval.device": "cpu", "tessera.eval.precision": "fp32", "tessera.eval.batch_size": "16"}
+    assert run.data.metrics["eval_loss"] == b.trained.loss
+    assert not [p for p in (home / "models" / "champion-downloads").iterdir()]  # the champion's copy is removed
 
 
 def test_reproduce_refuses_when_the_dataset_changed(demo_run):

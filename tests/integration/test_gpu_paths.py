@@ -43,3 +43,20 @@ def test_flash_attention_2(ray_session, demo_model, demo_dataset, tmp_path):
 def test_qlora_4bit(ray_session, demo_model, demo_dataset, tmp_path):
     result = _run(ray_session, demo_model, demo_dataset, tmp_path, method="qlora", precision="bf16", zero_stage=2)
     assert result.steps == 5
+
+
+def test_bf16_evaluation_on_the_gpu_scores_like_fp32_on_the_cpu(ray_session, demo_model, demo_dataset, tmp_path):
+    from training_core.data.dataset_writer import read_eval_records
+    from training_core.evaluate.compare import EvaluationJob, run_evaluation
+    from training_core.evaluate.on_ray import evaluate_on_ray
+    from training_core.evaluate.settings import EvalSettings
+
+    trained = _run(ray_session, demo_model, demo_dataset, tmp_path, precision="bf16")
+    records = read_eval_records(demo_dataset.path)
+    on_gpu = run_evaluation(EvaluationJob(demo_model.name_or_path, trained.model_dir, records, EvalSettings("auto", "bf16")))
+    on_cpu = run_evaluation(EvaluationJob(demo_model.name_or_path, trained.model_dir, records, EvalSettings("cpu")))
+    assert on_gpu.settings.device == "cuda"
+    assert on_gpu.trained.loss == pytest.approx(on_cpu.trained.loss, rel=0.05)  # bf16 weights: ~3 significant digits
+    in_ray_task = evaluate_on_ray(EvaluationJob(demo_model.name_or_path, trained.model_dir, records,
+                                                EvalSettings("auto", "bf16")), cluster_has_gpu=True)
+    assert in_ray_task.settings.device == "cuda"  # the task asked Ray for the GPU and saw it

@@ -19,7 +19,10 @@ from training_core.data.packing import is_eval_example
 from training_core.errors import EmptyPartitionError
 from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
 from training_core.evaluate.model_folder import TrainedModelError, check_trained_model_dir
+from training_core.errors import ConfigError
+from training_core.evaluate.on_ray import task_resources
 from training_core.evaluate.results import EvalMetrics
+from training_core.evaluate.settings import EvalSettings
 
 # --- gate settings -------------------------------------------------------------------------------
 
@@ -53,7 +56,93 @@ def test_a_launch_may_set_the_gates():
     job = defs.resolve_job_def("train_and_promote")
     resolved = dg.validate_run_config(job, {"ops": {"evaluation": {"config": {"max_loss_ratio": 0.9,
                                                                              "champion_tolerance": 0.0}}}})
-    assert resolved["ops"]["evaluation"]["config"] == {"max_loss_ratio": 0.9, "champion_tolerance": 0.0}
+    config = resolved["ops"]["evaluation"]["config"]
+    assert (config["max_loss_ratio"], config["champion_tolerance"]) == (0.9, 0.0)
+
+
+# --- where and how evaluation runs ----------------------------------------------------------------
+
+
+def test_a_launch_may_choose_device_precision_batch_size_and_the_ray_cluster():
+    job = defs.resolve_job_def("train_and_promote")
+    chosen = {"device": "cuda", "precision": "bf16", "batch_size": 8, "on_ray_cluster": True}
+    resolved = dg.validate_run_config(job, {"ops": {"evaluation": {"config": chosen}}})
+    assert {k: resolved["ops"]["evaluation"]["config"][k] for k in chosen} == chosen
+    assert EvaluationConfig(**chosen).settings() == EvalSettings("cuda", "bf16", 8)
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"device": "tpu"}, r"root:ops:evaluation:config:device"),
+    ({"precision": "fp16"}, r"root:ops:evaluation:config:precision"),
+])
+def test_an_unknown_device_or_precision_is_refused_at_launch(config, message):
+    job = defs.resolve_job_def("train_and_promote")
+    with pytest.raises(dg.DagsterInvalidConfigError, match=message):
+        dg.validate_run_config(job, {"ops": {"evaluation": {"config": config}}})
+
+
+def test_a_batch_size_below_one_is_refused_naming_it():
+    with pytest.raises(pydantic.ValidationError, match="batch_size"):
+        EvaluationConfig(batch_size=0)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (dict(device="gpu"), r"evaluation device must be one of auto, cpu, cuda, got 'gpu'"),
+    (dict(precision="fp16"), r"evaluation precision must be one of fp32, bf16, got 'fp16'"),
+    (dict(batch_size=0), r"evaluation batch_size must be a positive integer, got 0"),
+    (dict(batch_size=True), r"evaluation batch_size must be a positive integer, got True"),
+    (dict(device="cpu", precision="bf16"), r"precision='bf16' needs a GPU"),
+])
+def test_impossible_settings_are_refused_before_any_model_loads(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        EvalSettings(**settings)
+
+
+def test_auto_means_the_gpu_only_where_the_evaluating_process_sees_one():
+    assert EvalSettings().resolve(cuda_available=False) == EvalSettings("cpu", "fp32", 64)
+    assert EvalSettings().resolve(cuda_available=True) == EvalSettings("cuda", "fp32", 64)
+    assert EvalSettings("auto", "bf16", 8).resolve(cuda_available=True) == EvalSettings("cuda", "bf16", 8)
+    with pytest.raises(ConfigError, match=r"precision='bf16' needs a GPU, and the process that evaluates sees no"):
+        EvalSettings("auto", "bf16").resolve(cuda_available=False)
+    with pytest.raises(ConfigError, match=r"device='cuda' but the process that evaluates sees no CUDA GPU"):
+        EvalSettings("cuda").resolve(cuda_available=False)
+
+
+def test_settings_round_trip_through_mlflow_tags_and_old_runs_read_as_cpu_fp32():
+    settings = EvalSettings("cuda", "bf16", 16)
+    assert settings.as_tags() == {"tessera.eval.device": "cuda", "tessera.eval.precision": "bf16",
+                                  "tessera.eval.batch_size": "16"}
+    assert EvalSettings.from_tags({"other": "x", **settings.as_tags()}) == settings
+    assert EvalSettings.from_tags({}) == EvalSettings("cpu", "fp32", 64)  # evaluated before the tags existed
+    with pytest.raises(ConfigError, match=r"tessera\.eval\.batch_size is not an integer: 'many'"):
+        EvalSettings.from_tags({"tessera.eval.batch_size": "many"})
+
+
+@pytest.mark.parametrize(("device", "cluster_has_gpu", "gpus"), [
+    ("auto", False, 0), ("auto", True, 1), ("cpu", True, 0), ("cuda", True, 1),
+])
+def test_a_ray_evaluation_task_asks_for_a_gpu_only_when_it_will_use_one(device, cluster_has_gpu, gpus):
+    assert task_resources(device, cluster_has_gpu) == {"num_cpus": 1, "num_gpus": gpus}
+
+
+def test_asking_for_cuda_on_a_cluster_without_gpus_fails_instead_of_waiting_for_ever():
+    from training_core.evaluate.compare import EvaluationJob
+    from training_core.evaluate.on_ray import evaluate_on_ray
+
+    job = EvaluationJob("base", "trained", [{"prompt": "p", "response": "r"}], EvalSettings("cuda"))
+    with pytest.raises(ConfigError, match=r"device='cuda' with on_ray_cluster=True, but the Ray cluster has no GPU"):
+        evaluate_on_ray(job, cluster_has_gpu=False)
+
+
+def test_batch_size_changes_only_how_examples_are_grouped(adapter_dir, demo_model):
+    from training_core.evaluate.compare import evaluate_trained
+
+    records = generate_records("2026-11-05", 12)
+    one = evaluate_trained(demo_model.name_or_path, str(adapter_dir), records, settings=EvalSettings("cpu", "fp32", 1))
+    many = evaluate_trained(demo_model.name_or_path, str(adapter_dir), records, settings=EvalSettings("cpu", "fp32", 64))
+    assert one.examples == many.examples == 12
+    assert one.exact_match == many.exact_match
+    assert one.loss == pytest.approx(many.loss, rel=1e-5)
 
 
 def _report(trained_loss: float, champion_loss: float | None = None) -> EvaluationReport:

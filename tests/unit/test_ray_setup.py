@@ -1,4 +1,4 @@
-"""Ray set-up around a training run: `connect_for_training` (dagster-ray's create → wait →
+"""Ray set-up around a training run: `connect_to_cluster` (dagster-ray's create → wait →
 connect, run by the training asset only when it trains; a recording `RayResource` stands in for a
 cluster, for our ordering logic only), Ray Train's defaults that Tessera changes, and
 dagster-ray's Ray Data options, which Tessera's clusters apply on connect only when asked for."""
@@ -12,7 +12,7 @@ import pytest
 from dagster_ray import Lifecycle, RayResource
 from pydantic import PrivateAttr
 
-from resources.ray_cluster import ExternalRayCluster, connect_for_training
+from resources.ray_cluster import ExternalRayCluster, connect_to_cluster
 
 
 class _RecordingCluster(RayResource):
@@ -52,9 +52,9 @@ class _RecordingCluster(RayResource):
 def test_a_cluster_is_created_then_awaited_then_connected_once_each():
     cluster = _RecordingCluster()
     context = dg.build_init_resource_context()
-    connect_for_training(cluster, context)
+    connect_to_cluster(cluster, context)
     assert cluster._calls == ["create", "wait", "connect"]
-    connect_for_training(cluster, context)  # already created and ready: only connects
+    connect_to_cluster(cluster, context)  # already created and ready: only connects
     assert cluster._calls == ["create", "wait", "connect", "connect"]
 
 

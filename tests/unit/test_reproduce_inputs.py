@@ -16,6 +16,7 @@ from training_core.data import cache_version
 from training_core.data.batch_columns import TRAINING_COLUMNS
 from training_core.data.window import window_digest
 from training_core.errors import LineageError
+from training_core.evaluate.settings import EvalSettings
 from training_core.lineage import build_lineage_record, code_version, parse_dataset_paths
 from training_core.reproduce import CONFIG_ARTIFACT, TRANSFORM_VERSION, lineage_drift, load_recorded_run
 from training_core.storage import directory_digest
@@ -97,6 +98,57 @@ def test_runs_recorded_with_comma_separated_dataset_paths_are_still_read(trackin
     run_id = _record_run(tracking, tmp_path, [first, second], overrides={"dataset_paths": f"{first},{second}"})
 
     assert load_recorded_run(tracking, run_id, cache_directory=None).inputs.dataset_paths == [str(first), str(second)]
+
+
+def test_the_evaluation_settings_a_run_was_scored_with_are_read_back(tracking, tmp_path):
+    dataset = _published_dataset(tmp_path / "datasets" / "2026-11-01")
+    run_id = _record_run(tracking, tmp_path, [dataset])
+    assert load_recorded_run(tracking, run_id, None).eval_settings == EvalSettings("cpu", "fp32", 64)  # before tags
+    tracking.log_batch(run_id, tags=EvalSettings("cuda", "bf16", 16).as_tags())
+    assert load_recorded_run(tracking, run_id, None).eval_settings == EvalSettings("cuda", "bf16", 16)
+    tracking.log_batch(run_id, tags={"tessera.eval.precision": "fp8"})
+    assert "its evaluation settings cannot be read back: evaluation precision must be one of" in _refusal(tracking, run_id)
+
+
+def test_a_reproduction_fails_before_training_when_this_machine_cannot_evaluate_as_the_run_was(
+        tracking, tmp_path, monkeypatch):
+    from pipelines import reproduce
+
+    dataset = _published_dataset(tmp_path / "datasets" / "2026-11-01")
+    run_id = _record_run(tracking, tmp_path, [dataset])
+    tracking.log_batch(run_id, tags=EvalSettings("cuda", "bf16", 16).as_tags())
+    recorded = load_recorded_run(tracking, run_id, None)
+    monkeypatch.setattr(reproduce, "local_resources", lambda: _resources_for(tracking, tmp_path))
+    monkeypatch.setattr(reproduce, "load_recorded_run", lambda *args: recorded)
+    monkeypatch.setattr(reproduce, "_connect_to_ray", lambda address: None)
+    monkeypatch.setattr(reproduce, "gpu_available_in_cluster", lambda: False)
+    monkeypatch.setattr(reproduce, "run_tracked_training", _must_not_train)
+    output = StringIO()
+    assert reproduce.reproduce_run(run_id, Console(file=output, width=300)) == 2
+    assert "cannot reproduce: run" in output.getvalue()
+    assert "device='cuda' but the process that evaluates sees no CUDA GPU" in output.getvalue()
+
+
+def _must_not_train(*args, **kwargs):
+    raise AssertionError("training started although evaluation could not run as recorded")
+
+
+def _resources_for(tracking: MlflowTracking, tmp_path: Path) -> dict:
+    from resources import MlflowTracker, RowGroupCache, TesseraStorage
+
+    storage = TesseraStorage(home=str(tmp_path))
+    (tmp_path / "mlflow.db").touch(exist_ok=True)
+    return {"storage": storage, "mlflow_tracker": _FixedTracker(tracking), "cache": RowGroupCache(storage=storage)}
+
+
+class _FixedTracker:
+    tracking_uri = "sqlite:///in-the-test"
+
+    def __init__(self, tracking: MlflowTracking) -> None:
+        self._tracking = tracking
+
+    def client(self) -> MlflowTracking:
+        return self._tracking
 
 
 @pytest.mark.parametrize("value", ["[]", "", '[""]'])

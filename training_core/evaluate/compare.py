@@ -5,11 +5,14 @@ the Dagster code location imports this module for `EvaluationReport`."""
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 
 from training_core.base_model import load_tokenizer
 from training_core.evaluate.model_folder import check_trained_model_dir
 from training_core.evaluate.results import EvalMetrics
+from training_core.evaluate.settings import EvalSettings
 
 
 @dataclass(frozen=True)
@@ -30,18 +33,53 @@ class EvaluationReport:
                 "eval_loss_ratio": self.loss_ratio}
 
 
-def evaluate_trained(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]], tokenizer=None) -> EvalMetrics:
+def evaluate_trained(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]], tokenizer=None,
+                     settings: EvalSettings | None = None) -> EvalMetrics:
     from training_core.evaluate.metrics import evaluate, load_model_for_eval
 
+    settings = (settings or EvalSettings()).for_this_process()
     tokenizer = tokenizer or load_tokenizer(base_model_path)
-    return evaluate(load_model_for_eval(base_model_path, trained_model_dir), tokenizer, records)
+    model = load_model_for_eval(base_model_path, trained_model_dir, settings)
+    return evaluate(model, tokenizer, records, settings.batch_size)
 
 
-def evaluate_against_base(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]]) -> tuple[EvalMetrics, EvalMetrics]:
+def evaluate_against_base(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]],
+                          settings: EvalSettings | None = None) -> tuple[EvalMetrics, EvalMetrics]:
     from training_core.evaluate.metrics import evaluate, load_model_for_eval
 
-    # Checked first: a damaged trained folder would otherwise fail only after the base model's evaluation.
+    # Checked first: a device this process lacks, or a damaged trained folder, would otherwise fail only
+    # after the base model's evaluation.
+    settings = (settings or EvalSettings()).for_this_process()
     check_trained_model_dir(trained_model_dir)
     tokenizer = load_tokenizer(base_model_path)
-    base = evaluate(load_model_for_eval(base_model_path), tokenizer, records)
-    return base, evaluate_trained(base_model_path, trained_model_dir, records, tokenizer)
+    base = evaluate(load_model_for_eval(base_model_path, None, settings), tokenizer, records, settings.batch_size)
+    return base, evaluate_trained(base_model_path, trained_model_dir, records, tokenizer, settings)
+
+
+@dataclass(frozen=True)
+class EvaluationJob:
+    """One evaluation, as plain data: it runs in this process or ships as is to a Ray task. Every
+    path must be readable where it runs (on a cluster: the shared state folder)."""
+
+    base_model_path: str
+    trained_model_dir: str
+    records: list[dict[str, str]]
+    settings: EvalSettings = EvalSettings()
+    champion: tuple[str, str] | None = None  # (base model, model folder) of the current champion
+
+
+@dataclass(frozen=True)
+class EvaluationOutcome:
+    settings: EvalSettings  # resolved: the device and precision the metrics were produced with
+    base: EvalMetrics
+    trained: EvalMetrics
+    champion: EvalMetrics | None
+    where: str  # "<host> pid <pid>": the process that evaluated (a Ray task's, with on_ray_cluster)
+
+
+def run_evaluation(job: EvaluationJob) -> EvaluationOutcome:
+    """Base vs trained (vs champion), all with the same settings."""
+    settings = job.settings.for_this_process()
+    base, trained = evaluate_against_base(job.base_model_path, job.trained_model_dir, job.records, settings)
+    champion = evaluate_trained(*job.champion, job.records, settings=settings) if job.champion else None
+    return EvaluationOutcome(settings, base, trained, champion, f"{socket.gethostname()} pid {os.getpid()}")

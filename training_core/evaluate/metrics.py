@@ -12,23 +12,27 @@ from transformers import AutoModelForCausalLM
 from training_core.data.packing import tokenize_example
 from training_core.evaluate.model_folder import TrainedModelError, check_trained_model_dir
 from training_core.evaluate.results import EvalMetrics
+from training_core.evaluate.settings import EvalSettings
 
 
-def load_model_for_eval(base_model_path: str, trained_model_dir: str | None = None):
-    """The base model, or the trained result: a PEFT adapter over the base, or a full model."""
+def load_model_for_eval(base_model_path: str, trained_model_dir: str | None = None, settings: EvalSettings | None = None):
+    """The base model, or the trained result: a PEFT adapter over the base, or a full model; in the
+    settings' precision, on their device (default: fp32, the GPU if this process sees one)."""
+    settings = (settings or EvalSettings()).for_this_process()
+    dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float32
     if trained_model_dir is None:
-        return AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(base_model_path, dtype=dtype).to(settings.device).eval()
     kind = check_trained_model_dir(trained_model_dir)
     if kind == "adapter":
         from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=dtype)
         with _naming_the_folder(trained_model_dir, f"as a PEFT adapter over {base_model_path}"):
             model = PeftModel.from_pretrained(base, trained_model_dir)
     else:
         with _naming_the_folder(trained_model_dir, "as a full model"):
-            model = AutoModelForCausalLM.from_pretrained(trained_model_dir, dtype=torch.float32)
-    return model.eval()
+            model = AutoModelForCausalLM.from_pretrained(trained_model_dir, dtype=dtype)
+    return model.to(settings.device).eval()
 
 
 @contextmanager
@@ -45,10 +49,12 @@ def _naming_the_folder(trained_model_dir: str, how: str):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, records: list[dict[str, str]], batch_size: int = 64) -> EvalMetrics:
+    """On the model's device, in its precision (logits are scored in fp32)."""
     if not records:
         raise ValueError("evaluation needs at least one held-out record")
     examples = [tokenize_example(tokenizer, r["prompt"], r["response"]) for r in records]
     pad = tokenizer.pad_token_id
+    device = next(model.parameters()).device
     loss_sum, token_count, matches = 0.0, 0, 0
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
@@ -62,16 +68,17 @@ def evaluate(model, tokenizer, records: list[dict[str, str]], batch_size: int = 
             ids[row, : len(sequence)] = torch.tensor(sequence)
             labels[row, len(e.prompt_ids) : len(sequence)] = torch.tensor(e.response_ids)
             mask[row, : len(sequence)] = 1
+        ids, labels, mask = ids.to(device), labels.to(device), mask.to(device)
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         targets = labels[:, 1:]
         loss_sum += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum").item()
         token_count += int((targets != -100).sum())
-        matches += _count_exact_matches(model, chunk, pad, tokenizer.eos_token_id)
+        matches += _count_exact_matches(model, chunk, pad, tokenizer.eos_token_id, device)
     loss = loss_sum / token_count
     return EvalMetrics(loss=loss, perplexity=math.exp(min(loss, 50.0)), exact_match=matches / len(examples), examples=len(examples))
 
 
-def _count_exact_matches(model, chunk, pad: int, eos: int) -> int:
+def _count_exact_matches(model, chunk, pad: int, eos: int, device: torch.device) -> int:
     """Greedy decoding from left-padded prompts; a match is the whole response then eos."""
     width = max(len(e.prompt_ids) for e in chunk)
     ids = torch.full((len(chunk), width), pad, dtype=torch.long)
@@ -81,6 +88,6 @@ def _count_exact_matches(model, chunk, pad: int, eos: int) -> int:
         mask[row, width - len(e.prompt_ids) :] = 1
     longest = max(len(e.response_ids) for e in chunk)
     generated = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=longest, do_sample=False, pad_token_id=pad, eos_token_id=eos
+        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest, do_sample=False, pad_token_id=pad, eos_token_id=eos
     )[:, width:].tolist()
     return sum(output[: len(e.response_ids)] == e.response_ids for output, e in zip(generated, chunk))
