@@ -18,7 +18,7 @@ from training_core.data.window import window_digest
 from training_core.errors import LineageError
 from training_core.evaluate.settings import EvalSettings
 from training_core.lineage import build_lineage_record, code_version, parse_dataset_paths
-from training_core.reproduce import CONFIG_ARTIFACT, TRANSFORM_VERSION, lineage_drift, load_recorded_run
+from training_core.reproduce import CONFIG_ARTIFACT, TRANSFORM_VERSION, compare_runs, lineage_drift, load_recorded_run
 from training_core.storage import directory_digest
 from training_core.tracking import MlflowTracking
 from training_core.train.config import TrainingConfig
@@ -127,6 +127,18 @@ def test_a_reproduction_fails_before_training_when_this_machine_cannot_evaluate_
     assert reproduce.reproduce_run(run_id, Console(file=output, width=300)) == 2
     assert "cannot reproduce: run" in output.getvalue()
     assert "device='cuda' but the process that evaluates sees no CUDA GPU" in output.getvalue()
+
+
+def test_a_metric_the_original_never_recorded_is_shown_but_not_counted_as_a_mismatch(tracking):
+    original, reproduced = tracking.start_run("original", tags={}), tracking.start_run("reproduced", tags={})
+    tracking.log_batch(original, metrics={"train_loss": 0.5, "steps": 10.0})  # its evaluation step never ran
+    tracking.log_batch(reproduced, metrics={"train_loss": 0.5, "steps": 10.0, "eval_loss": 0.7})
+    rows = {name: (a, b, equal) for name, a, b, equal in compare_runs(tracking, original, reproduced)}
+    assert rows["eval_loss"] == (None, 0.7, None)
+    assert rows["train_loss"] == (0.5, 0.5, True)
+    tracking.log_batch(original, metrics={"eval_exact_match": 1.0})  # recorded by the original, missing now
+    rows = {name: equal for name, _, _, equal in compare_runs(tracking, original, reproduced)}
+    assert rows["eval_exact_match"] is False
 
 
 def _must_not_train(*args, **kwargs):
