@@ -171,6 +171,25 @@ def test_killed_worker_resumes_bit_identically(train, workers):
 
 
 ZERO3_SHORT = dict(max_steps=2, zero_stage=3, offload_optimizer="cpu")
+# LoRA only: the whole base model, embeddings included, is frozen and left out of the checkpoints.
+FROZEN_BASE_ZERO3 = dict(lora=LoraSettings(modules_to_save=[]), max_steps=16, checkpoint_every_steps=5,
+                         zero_stage=3, offload_optimizer="cpu")
+
+
+def test_killed_worker_resumes_bit_identically_under_zero3_offload_with_a_frozen_base(train):
+    uninterrupted = train("frozen-zero3", _config(**FROZEN_BASE_ZERO3))
+    faulted = train("frozen-zero3-fault", _config(**FROZEN_BASE_ZERO3), fault_step=12)
+    assert uninterrupted.restarts == 0 and faulted.restarts >= 1
+    _assert_identical(uninterrupted, faulted)
+    # What the engine state holds of the model: the LoRA weights, not the frozen base.
+    checkpoints = _checkpoints_by_step(train.storage / "frozen-zero3-fault")
+    import torch
+
+    model_states = sorted((checkpoints[15] / ENGINE_DIR).rglob("*model_states.pt"))  # one per rank under ZeRO-3
+    assert model_states
+    for path in model_states:
+        saved = torch.load(path, map_location="cpu", weights_only=False)["module"]
+        assert saved and all("lora_" in name for name in saved), (path.name, sorted(saved)[:5])
 
 
 def test_zero2_and_zero3_offload_agree_on_first_step(train):

@@ -29,7 +29,7 @@ class RecordingEngine:
         self.saved: list[str] = []
         self.loaded: list[str] = []
 
-    def save_checkpoint(self, directory: str, tag: str) -> None:
+    def save_checkpoint(self, directory: str, tag: str, exclude_frozen_parameters: bool = False) -> None:
         self.saved.append(directory)
 
     def load_checkpoint(self, directory: str, tag: str, load_module_strict: bool) -> None:

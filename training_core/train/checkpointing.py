@@ -69,7 +69,10 @@ def save_checkpoint(
     """Collective: every rank must call it, with the same ``engine_state`` (DeepSpeed saves its
     shards on each). ``engine_state=False`` leaves out ``deepspeed/`` (the final checkpoint)."""
     if engine_state:
-        engine.save_checkpoint(str(directory / ENGINE_DIR), tag=ENGINE_TAG)
+        # Frozen weights (a LoRA/QLoRA base: nearly all of the model) never change, and a resume loads
+        # them from the base model as the first start did; saving them made every checkpoint as large as
+        # the model (twice under ZeRO-2, whose frozen-parameter fragments come on top).
+        engine.save_checkpoint(str(directory / ENGINE_DIR), tag=ENGINE_TAG, exclude_frozen_parameters=True)
     torch.save({"rng": rng_states(), "loader": loader_state}, directory / f"worker-{rank}.pt")
     if rank == 0:
         (directory / PROGRESS_FILE).write_text(json.dumps(asdict(progress)))
