@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from training_core.errors import LineageError
 from training_core.lineage import build_lineage_record
-from training_core.storage import changed_files
+from training_core.storage import changed_files, directory_digest
 from training_core.tracking import MlflowTracking
 from training_core.train.config import TrainingConfig
 from training_core.train.result import TrainingResult
@@ -34,6 +35,34 @@ class TrainingInputs:
     cache_directory: str | None
     cache_version: str
     partition_keys: list[str] = field(default_factory=list)
+
+
+def check_inputs_are_as_recorded(inputs: TrainingInputs) -> None:
+    """The base model and datasets still are what their digests say, and every dataset was tokenized
+    with this base model. Checked before a finished run is reused or a new one trains: a base-model
+    folder overwritten in place kept its old digest (a reuse would hand back a model trained on the
+    old weights), and a window mixing days tokenized by different base models trains on token ids
+    the model does not have (an IndexError inside a worker, or silently wrong embeddings)."""
+    base = Path(inputs.base_model)
+    if not inputs.base_model_digest.startswith("hub:") and base.is_dir():
+        if (now := directory_digest(base)) != inputs.base_model_digest:
+            raise LineageError(
+                f"base model {base} changed since base_model was materialized (digest {inputs.base_model_digest[:12]} "
+                f"then, {now[:12]} now); rematerialize base_model and the training_dataset partitions it tokenized")
+    keys = inputs.partition_keys if len(inputs.partition_keys) == len(inputs.dataset_paths) else inputs.dataset_paths
+    stale = []
+    for key, path in zip(keys, inputs.dataset_paths):
+        try:
+            tokenized_with = json.loads((Path(path) / "manifest.json").read_text()).get("tokenizer")
+        except (OSError, ValueError) as error:
+            raise LineageError(f"training dataset {path}: manifest.json is not readable ({error})") from error
+        if tokenized_with is not None and tokenized_with != inputs.base_model_digest:  # None: written before it was recorded
+            stale.append(f"{key} (tokenized with base model {tokenized_with[:12]})")
+    if stale:
+        raise LineageError(
+            f"training_dataset {', '.join(stale)} was not tokenized with the base model being trained, {inputs.base_model} "
+            f"({inputs.base_model_digest[:12]}); rematerialize training_dataset for "
+            f"{'that partition' if len(stale) == 1 else 'those partitions'} with the current base_model")
 
 
 @dataclass(frozen=True)
@@ -110,6 +139,7 @@ def run_tracked_training(
         dagster_run_id=dagster_run_id,
         partition_keys=inputs.partition_keys,
     )
+    check_inputs_are_as_recorded(inputs)
     if reuse_finished and (earlier := find_reusable_run(tracking, lineage)) is not None:
         log.info("inputs, config and code unchanged since MLflow run %s: reusing it", earlier.mlflow_run_id)
         return earlier

@@ -1,0 +1,74 @@
+"""Before a run is reused or trains, its inputs must still be what their digests say: a base-model
+folder overwritten in place, or a training window holding a day tokenized by another base model,
+is refused by name before anything starts."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from training_core.base_model import load_tokenizer, resolve_pretrained
+from training_core.data.dataset_writer import DatasetSpec, write_dataset
+from training_core.data.demo_task import generate_records
+from training_core.errors import LineageError
+from training_core.runs import TrainingInputs, check_inputs_are_as_recorded, run_tracked_training
+from training_core.tracking import MlflowTracking
+from training_core.train.config import TrainingConfig
+
+
+@pytest.fixture
+def base(demo_model, tmp_path):
+    folder = tmp_path / "my-base"
+    shutil.copytree(demo_model.name_or_path, folder)
+    return resolve_pretrained(str(folder))
+
+
+def _dataset(base, root: Path, day: str, tokenized_with: str):
+    """A published dataset whose manifest says which base model's tokenizer wrote it."""
+    return write_dataset(generate_records(day, 300), load_tokenizer(base.name_or_path), root / "datasets" / day,
+                         DatasetSpec(row_group_rows=64), source_label="test", extra_manifest={"tokenizer": tokenized_with})
+
+
+def _inputs(base, datasets, keys) -> TrainingInputs:
+    return TrainingInputs(base_model=base.name_or_path, base_model_digest=base.digest,
+                          dataset_paths=[d.path for d in datasets], dataset_digest="window", seq_len=datasets[0].seq_len,
+                          cache_directory=None, cache_version="cache", partition_keys=keys)
+
+
+def test_inputs_as_recorded_pass(base, tmp_path):
+    datasets = [_dataset(base, tmp_path, day, base.digest) for day in ("2026-11-01", "2026-11-02")]
+    check_inputs_are_as_recorded(_inputs(base, datasets, ["2026-11-01", "2026-11-02"]))
+
+
+def test_a_base_model_overwritten_in_place_is_refused_before_a_reuse_or_training(base, tmp_path):
+    datasets = [_dataset(base, tmp_path, "2026-11-01", base.digest)]
+    config_file = Path(base.name_or_path) / "config.json"
+    config_file.write_text(config_file.read_text().replace("{", '{"edited": true, ', 1))
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+
+    def must_not_start():
+        raise AssertionError("training started on a changed base model")
+
+    with pytest.raises(LineageError, match=rf"base model {base.name_or_path} changed since base_model was materialized "
+                                           rf"\(digest {base.digest[:12]} then, \w{{12}} now\); rematerialize base_model"):
+        run_tracked_training(TrainingConfig(), _inputs(base, datasets, ["2026-11-01"]), tracking,
+                             ray_storage=str(tmp_path / "ray"), models_dir=tmp_path / "models",
+                             before_training=must_not_start)
+
+
+def test_a_window_day_tokenized_by_another_base_model_is_named(base, tmp_path):
+    today = _dataset(base, tmp_path, "2026-11-02", base.digest)
+    yesterday = _dataset(base, tmp_path, "2026-11-01", "0123456789abcdef-other-base")
+    with pytest.raises(LineageError, match=r"training_dataset 2026-11-01 \(tokenized with base model 0123456789ab\) was "
+                                           r"not tokenized with the base model being trained, .*my-base "
+                                           rf"\({base.digest[:12]}\); rematerialize training_dataset for that partition"):
+        check_inputs_are_as_recorded(_inputs(base, [yesterday, today], ["2026-11-01", "2026-11-02"]))
+
+
+def test_datasets_written_before_the_tokenizer_was_recorded_are_accepted(base, tmp_path):
+    dataset = _dataset(base, tmp_path, "2026-11-01", base.digest)
+    manifest = Path(dataset.path) / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"tokenizer"', '"tokenizer_unrecorded"'))
+    check_inputs_are_as_recorded(_inputs(base, [dataset], ["2026-11-01"]))
