@@ -7,6 +7,7 @@ every Dagster process (code server, each run) seconds."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -146,7 +147,27 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
+def tokenizer_fingerprint(name_or_path: str) -> str:
+    """A digest of how the model's tokenizer turns text into ids: two models with the same fingerprint
+    give the same token sequence for every text, so their per-token losses can be compared."""
+    import hashlib
+
+    tokenizer = load_tokenizer(name_or_path)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    described = backend.to_str() if backend is not None else json.dumps(
+        {"vocab": sorted(tokenizer.get_vocab().items()), "special": sorted(map(str, tokenizer.all_special_tokens))})
+    return hashlib.sha256(described.encode()).hexdigest()
+
+
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+
+
+def vocab_size(name_or_path: str) -> int | None:
+    """The model's vocabulary size from its config (None if the config has none: nothing to check)."""
+    from transformers import AutoConfig
+
+    size = getattr(AutoConfig.from_pretrained(name_or_path).get_text_config(), "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def check_context_length(name_or_path: str, seq_len: int) -> None:

@@ -346,6 +346,37 @@ def test_modules_to_save_that_the_model_lacks_are_refused(demo_model):
         parse_training_config({"lora": {"modules_to_save": [""]}})
 
 
+@pytest.mark.parametrize(("lora", "message"), [
+    ({"modules_to_save": ["wte", "lm_head"]},
+     r"lora.modules_to_save \['wte'\]: no module of that name in the base model \(top-level modules: \['model', "
+     r"'lm_head'\]\); for a pretrained base, set it to \[\]"),
+    ({"target_modules": ["q_proj", "c_attn"]},
+     r"lora.target_modules \['c_attn'\]: no module of that name in the base model \(its linear layers: .*'q_proj'"),
+])
+def test_lora_module_names_the_model_lacks_are_refused_before_any_worker_starts(lora, message, demo_model, tmp_path):
+    import ray
+
+    from training_core.train.launcher import run_training
+
+    config = TrainingConfig(lora=lora, num_workers=1)
+    with pytest.raises(ConfigError, match=message):
+        run_training(config, model_path=demo_model.name_or_path, train_dirs=[str(_tiny_training_dir(tmp_path))],
+                     seq_len=8, cache_dir=None, storage_path=tmp_path / "ray", run_name="r", output_dir=tmp_path / "out")
+    assert not ray.is_initialized()  # refused in the driver: no Ray, no worker, no retry
+
+
+def _tiny_training_dir(tmp_path):
+    """A folder the driver's data checks accept (token lists, enough rows for one micro batch)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "train"
+    folder.mkdir()
+    tokens = pa.array([[1] * 8] * 16, type=pa.list_(pa.int32()))
+    pq.write_table(pa.table({"input_ids": tokens, "labels": tokens}), folder / "part-0.parquet")
+    return folder
+
+
 def test_demo_json_path_is_checked_before_the_run(tmp_path, capsys):
     from pipelines.cli import main
 

@@ -44,6 +44,21 @@ def test_a_file_with_unusable_token_columns_is_named(tmp_path, labels, message):
         check_training_data([str(tmp_path / "d")], micro_batch_size=4, num_workers=2)
 
 
+def test_token_ids_outside_the_base_models_vocabulary_are_named_with_their_row_group(tmp_path):
+    ids = pa.array([[1, 2, 3, 4]] * 8 + [[1, 2, 3, 600]] * 8, pa.list_(pa.int32()))
+    labels = pa.array([[-100, 2, 3, 4]] * 16, pa.list_(pa.int32()))
+    tmp_path.joinpath("d").mkdir()
+    pq.write_table(pa.table({"input_ids": ids, "labels": labels}), tmp_path / "d" / "part-0.parquet", row_group_size=8)
+    assert check_training_data([str(tmp_path / "d")], 4, 2, vocab_size=601) == 16  # -100 labels are allowed
+    with pytest.raises(SourceDataError, match=r"part-0\.parquet: row group 1: column 'input_ids' holds token ids 1\.\.600, "
+                                              r"outside the base model's vocabulary \(0\.\.511\); was it tokenized for another"):
+        check_training_data([str(tmp_path / "d")], 4, 2, vocab_size=512)
+    negative = pa.array([[-1, 2, 3, 4]] * 16, pa.list_(pa.int32()))
+    pq.write_table(pa.table({"input_ids": negative, "labels": labels}), tmp_path / "d" / "part-0.parquet")
+    with pytest.raises(SourceDataError, match=r"column 'input_ids' holds token ids -1\.\.4"):
+        check_training_data([str(tmp_path / "d")], 4, 2, vocab_size=512)
+
+
 def test_a_missing_column_and_too_few_rows_are_refused(tmp_path):
     _write(tmp_path / "d", "part-0.parquet", input_ids=_tokens(5))
     with pytest.raises(SourceDataError, match=r"part-0\.parquet: no column 'labels'; it has \['input_ids'\]"):

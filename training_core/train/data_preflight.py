@@ -3,7 +3,8 @@
 The pipeline's own datasets pass the `training_dataset` checks already; this catches data handed
 to `run_training` directly (another writer, a hand-made folder), whose problems would otherwise
 surface inside a worker, after start-up, without a file name: every file's token columns must be
-lists of integers with no nulls, and the data must hold one micro batch for every worker.
+lists of integers with no nulls, token ids must fit the base model's vocabulary (where the footer's
+statistics give their range), and the data must hold one micro batch for every worker.
 Only footers are read (the same listing the reader does), so it costs milliseconds.
 """
 from __future__ import annotations
@@ -15,8 +16,14 @@ from training_core.data.parquet_files import is_integer_list, list_parquet_files
 from training_core.errors import SourceDataError
 
 
-def check_training_data(train_dirs: Sequence[str], micro_batch_size: int, num_workers: int) -> int:
-    """The number of training rows; raises ``SourceDataError`` naming the file and column at fault."""
+IGNORED_LABEL = -100  # labels of padding and prompt tokens: no loss
+
+
+def check_training_data(train_dirs: Sequence[str], micro_batch_size: int, num_workers: int,
+                        vocab_size: int | None = None) -> int:
+    """The number of training rows; raises ``SourceDataError`` naming the file and column at fault.
+    With ``vocab_size``, a token id outside ``[0, vocab_size)`` (data tokenized for another model) is
+    named with its row group; it would otherwise be an IndexError inside the embedding, in a worker."""
     filesystem, infos = list_parquet_files(list(train_dirs))
     rows = 0
     for info in infos:
@@ -29,6 +36,8 @@ def check_training_data(train_dirs: Sequence[str], micro_batch_size: int, num_wo
                 raise SourceDataError(f"{info.path}: column {name!r} is {kind}; training needs lists of integer token ids")
             if name in has_nulls:
                 raise SourceDataError(f"{info.path}: column {name!r} holds nulls; training needs a full token list in every row")
+        if vocab_size is not None:
+            _check_token_ids(parquet_file, vocab_size)
         rows += sum(parquet_file.row_group_sizes)
     needed = micro_batch_size * num_workers
     if rows < needed:
@@ -37,3 +46,13 @@ def check_training_data(train_dirs: Sequence[str], micro_batch_size: int, num_wo
             f"(micro_batch_size {micro_batch_size} × num_workers {num_workers} = {needed})"
         )
     return rows
+
+
+def _check_token_ids(parquet_file, vocab_size: int) -> None:
+    for index, ranges in enumerate(parquet_file.value_ranges):  # row groups without statistics: unchecked
+        for name, low, high in ranges:
+            lowest_allowed = IGNORED_LABEL if name == "labels" else 0
+            if name in TRAINING_COLUMNS and (high >= vocab_size or (low < 0 and low != lowest_allowed)):
+                raise SourceDataError(
+                    f"{parquet_file.path}: row group {index}: column {name!r} holds token ids {low}..{high}, outside the "
+                    f"base model's vocabulary (0..{vocab_size - 1}); was it tokenized for another model?")

@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from training_core.base_model import check_context_length
+from training_core.base_model import check_context_length, vocab_size
 from training_core.errors import ConfigError
 from training_core.storage import directory_digest, replace_directory, staging_directory
 from training_core.train.checkpointing import (
@@ -21,6 +21,7 @@ from training_core.train.checkpointing import (
 )
 from training_core.train.config import TrainingConfig
 from training_core.train.data_preflight import check_training_data
+from training_core.train.model_setup import check_module_names_before_start
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.loop import WorkerInputs, train_loop_per_worker
 from training_core.train.ray_trainer import torch_trainer_class, use_quick_health_checks
@@ -77,8 +78,10 @@ def run_training(
     if fault_step is not None and fault_step > config.max_steps:
         raise ConfigError(f"{FAULT_STEP_ENV}={fault_step} would never fire: the run stops at max_steps={config.max_steps}")
     warn_about_accelerator_env(config.use_gpu)
-    check_training_data(train_dirs, config.micro_batch_size, config.num_workers)  # before any worker starts
+    # Before any worker starts.
+    check_training_data(train_dirs, config.micro_batch_size, config.num_workers, vocab_size(model_path))
     check_context_length(model_path, seq_len)
+    check_module_names_before_start(config, model_path)
     inputs = WorkerInputs(
         config=config.model_dump(mode="json"),
         model_path=model_path,

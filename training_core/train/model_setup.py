@@ -43,11 +43,7 @@ def apply_method(model, config: TrainingConfig):
         model = prepare_model_for_kbit_training(model)
     torch.manual_seed(config.seed)
     lora = config.lora
-    missing = [name for name in lora.modules_to_save or []
-               if not any(module == name or module.endswith(f".{name}") for module, _ in model.named_modules())]
-    if missing:  # PEFT would skip them silently: those weights would not train
-        raise ConfigError(f"lora.modules_to_save {missing}: no module of that name in the base model "
-                          f"(top-level modules: {[name for name, _ in model.named_children()]})")
+    check_module_names(config, model)
     peft_config = LoraConfig(
         task_type="CAUSAL_LM",
         r=lora.r,
@@ -57,6 +53,41 @@ def apply_method(model, config: TrainingConfig):
         modules_to_save=lora.modules_to_save,
     )
     return get_peft_model(model, peft_config)
+
+
+def check_module_names(config: TrainingConfig, model) -> None:
+    """Every module the LoRA settings name exists in ``model``; else a ConfigError naming them and the
+    model's top-level modules. PEFT would skip a missing modules_to_save silently (those weights would
+    not train) and fail on a missing target module only inside a worker, once per Ray retry."""
+    if config.method == "full":
+        return
+    names = [module for module, _ in model.named_modules()]
+
+    def missing(wanted: list[str]) -> list[str]:
+        return [name for name in wanted if not any(module == name or module.endswith(f".{name}") for module in names)]
+
+    top_level = [name for name, _ in model.named_children()]
+    if absent := missing(config.lora.modules_to_save or []):
+        raise ConfigError(f"lora.modules_to_save {absent}: no module of that name in the base model "
+                          f"(top-level modules: {top_level}); for a pretrained base, set it to [] (LoRA only)")
+    # A string other than 'all-linear' is a regular expression for PEFT: not checked by name.
+    if isinstance(config.lora.target_modules, list) and (absent := missing(config.lora.target_modules)):
+        linear = sorted({module.rsplit(".", 1)[-1] for module, layer in model.named_modules()
+                         if isinstance(layer, torch.nn.Linear)})
+        raise ConfigError(f"lora.target_modules {absent}: no module of that name in the base model "
+                          f"(its linear layers: {linear})")
+
+
+def check_module_names_before_start(config: TrainingConfig, model_path: str) -> None:
+    """``check_module_names`` in the driver, on the model's skeleton (built on the meta device from its
+    config: no weights are read or allocated), before any worker starts."""
+    if config.method == "full":
+        return
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    check_module_names(config, skeleton)
 
 
 def count_parameters(model) -> tuple[int, int]:
