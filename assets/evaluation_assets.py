@@ -14,7 +14,7 @@ from resources.ray_cluster import connect_to_cluster, gpu_available_in_cluster
 from training_core.base_model import BaseModelRef
 from training_core.data.window import DatasetWindow
 from training_core.errors import EmptyPartitionError
-from training_core.evaluate.compare import EvaluationJob, EvaluationReport, run_evaluation
+from training_core.evaluate.compare import EvaluationJob, EvaluationReport, champion_not_comparable, run_evaluation
 from training_core.evaluate.settings import EvalSettings
 from training_core.storage import staging_directory
 from training_core.tracking import ModelRegistry
@@ -98,13 +98,15 @@ def evaluation(
     tracking = mlflow_tracker.client()
     registry = ModelRegistry(tracking, REGISTERED_MODEL, CHAMPION_ALIAS)
     champion = registry.champion()
+    # A reused run often is the champion: nothing to compare against. Another tokenizer: no comparison.
+    compare = champion is not None and champion.run_id != lora_adapter.mlflow_run_id
+    not_comparable = champion_not_comparable(registry.base_model_of(champion), base_model.name_or_path) if compare else None
+    if not_comparable:
+        context.log.warning("not comparing with the champion (run %s): %s", champion.run_id, not_comparable)
     # Downloaded into the state folder, not /tmp: a Ray task on another node reads it from there.
     with staging_directory(storage.folder("models") / "champion-downloads") as downloads:
-        job = EvaluationJob(
-            base_model.name_or_path, lora_adapter.model_dir, records, settings,
-            # a reused run often is the champion: nothing to compare against
-            registry.download(champion, downloads) if champion and champion.run_id != lora_adapter.mlflow_run_id else None,
-        )
+        job = EvaluationJob(base_model.name_or_path, lora_adapter.model_dir, records, settings,
+                            registry.download(champion, downloads) if compare and not not_comparable else None)
         if config.on_ray_cluster:
             import ray
 
@@ -127,7 +129,8 @@ def evaluation(
                                       "eval_precision": outcome.settings.precision,
                                       "evaluated_by": outcome.where})
     yield _beats_base_model(report, config.max_loss_ratio)
-    yield _not_worse_than_champion(report, champion.run_id if champion else None, config.champion_tolerance)
+    yield _not_worse_than_champion(report, champion.run_id if champion else None, config.champion_tolerance,
+                                   not_comparable)
 
 
 def _beats_base_model(report: EvaluationReport, max_loss_ratio: float) -> dg.AssetCheckResult:
@@ -141,16 +144,18 @@ def _beats_base_model(report: EvaluationReport, max_loss_ratio: float) -> dg.Ass
     )
 
 
-def _not_worse_than_champion(report: EvaluationReport, champion_run: str | None,
-                             champion_tolerance: float) -> dg.AssetCheckResult:
+def _not_worse_than_champion(report: EvaluationReport, champion_run: str | None, champion_tolerance: float,
+                             not_comparable: str | None = None) -> dg.AssetCheckResult:
     if report.champion is None:
-        reason = "no champion yet" if champion_run is None else "this run is the champion"
-        return dg.AssetCheckResult(check_name="not_worse_than_champion", passed=True, description=reason)
+        reason = ("no champion yet" if champion_run is None else f"not compared: {not_comparable}" if not_comparable
+                  else "this run is the champion")
+        return dg.AssetCheckResult(check_name="not_worse_than_champion", passed=True, description=reason,
+                                   metadata={"compared": False, "champion_run_id": champion_run or ""})
     limit = report.champion.loss * (1 + champion_tolerance)
     return dg.AssetCheckResult(
         check_name="not_worse_than_champion",
         passed=bool(report.trained.loss <= limit),
-        metadata={"trained_loss": report.trained.loss, "champion_loss": report.champion.loss,
+        metadata={"compared": True, "trained_loss": report.trained.loss, "champion_loss": report.champion.loss,
                   "champion_run_id": champion_run or ""},
         description=f"eval loss {report.trained.loss:.4f} vs champion {report.champion.loss:.4f} (limit {limit:.4f})",
     )

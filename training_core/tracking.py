@@ -144,11 +144,14 @@ class ModelRegistry:
         except MlflowException:
             return None
 
+    def base_model_of(self, version) -> str:
+        """The base model a registered version was trained on (its run's lineage)."""
+        return self.client.get_run(version.run_id).data.params["base_model"]
+
     def download(self, version, destination: Path) -> tuple[str, str]:
         """(base_model, local model dir) of a registered version, e.g. the `champion()`."""
-        run = self.client.get_run(version.run_id)
         local = self.client.download_artifacts(version.run_id, "model", str(destination))
-        return run.data.params["base_model"], local
+        return self.base_model_of(version), local
 
     def promote(self, run_id: str) -> tuple[str, bool]:
         """Register the run's model and move the alias to it. Returns (version, changed); promoting

@@ -161,6 +161,35 @@ def test_the_gates_use_the_configured_limits():
     assert _not_worse_than_champion(report, "champ", champion_tolerance=0.2).passed is True
 
 
+# --- comparing with the champion ------------------------------------------------------------------
+
+
+def test_the_champion_is_compared_only_when_both_tokenize_alike(demo_model, tmp_path):
+    from training_core.base_model import train_demo_tokenizer
+    from training_core.evaluate.compare import champion_not_comparable
+
+    same_tokenizer = tmp_path / "same-tokenizer"  # another base model folder, same tokenizer files
+    shutil.copytree(demo_model.name_or_path, same_tokenizer)
+    other_tokenizer = tmp_path / "other-tokenizer"
+    train_demo_tokenizer(["alpha beta gamma delta", "epsilon zeta"]).save_pretrained(other_tokenizer)
+
+    assert champion_not_comparable(demo_model.name_or_path, demo_model.name_or_path) is None
+    assert champion_not_comparable(str(same_tokenizer), demo_model.name_or_path) is None
+    assert champion_not_comparable(str(other_tokenizer), demo_model.name_or_path) == (
+        f"the champion was trained on {other_tokenizer}, whose tokenizer differs from {demo_model.name_or_path}'s: "
+        "per-token losses do not compare")
+    gone = champion_not_comparable(str(tmp_path / "deleted-base"), demo_model.name_or_path)
+    assert gone.startswith(f"the champion's base model {tmp_path / 'deleted-base'} cannot be loaded")
+
+
+def test_a_champion_that_cannot_be_compared_passes_the_gate_saying_why():
+    check = _not_worse_than_champion(_report(trained_loss=9.0), "champ", champion_tolerance=0.05,
+                                     not_comparable="the champion was trained on X, whose tokenizer differs")
+    assert check.passed is True
+    assert check.description == "not compared: the champion was trained on X, whose tokenizer differs"
+    assert check.metadata["compared"].value is False
+
+
 # --- empty held-out split ------------------------------------------------------------------------
 
 

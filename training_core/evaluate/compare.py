@@ -77,6 +77,24 @@ class EvaluationOutcome:
     where: str  # "<host> pid <pid>": the process that evaluated (a Ray task's, with on_ray_cluster)
 
 
+def champion_not_comparable(champion_base_model: str, base_model: str) -> str | None:
+    """Why the champion's held-out loss cannot be compared with this model's, or None when it can:
+    losses are per token, so both must tokenize the same way (same tokenizer; the base model itself
+    may differ), and scoring the champion needs its base model."""
+    from training_core.base_model import tokenizer_fingerprint
+
+    if champion_base_model == base_model:
+        return None
+    try:
+        theirs = tokenizer_fingerprint(champion_base_model)
+    except (OSError, ValueError) as error:  # folder gone, hub id not cached
+        return f"the champion's base model {champion_base_model} cannot be loaded ({type(error).__name__}: {error})"
+    if theirs != tokenizer_fingerprint(base_model):
+        return (f"the champion was trained on {champion_base_model}, whose tokenizer differs from {base_model}'s: "
+                "per-token losses do not compare")
+    return None
+
+
 def run_evaluation(job: EvaluationJob) -> EvaluationOutcome:
     """Base vs trained (vs champion), all with the same settings."""
     settings = job.settings.for_this_process()
