@@ -288,3 +288,17 @@ def test_only_a_cluster_that_can_add_nodes_waits_for_a_worker_group_larger_than_
     assert warnings == ["num_workers=3 × 1 CPU per worker needs 3 CPU, and the Ray cluster has 2 in all; lower "
                         "num_workers or cpus_per_worker, or train on a larger cluster; waiting for the cluster's "
                         "autoscaler to add nodes"]
+
+
+def test_workers_hide_only_the_library_deprecations_printed_on_every_step():
+    import warnings
+
+    from training_core.train.loop import quiet_known_library_warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_known_library_warnings()
+        warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use `x` instead.", FutureWarning)
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use `y` instead.", FutureWarning)
+        warnings.warn("`some_other_api` is deprecated", FutureWarning)
+    assert [str(w.message) for w in caught] == ["`some_other_api` is deprecated"]

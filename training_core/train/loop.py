@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -62,6 +63,19 @@ class WorkerInputs:
         return asdict(self)
 
 
+# Deprecations inside DeepSpeed's and transformers' own calls, printed by every rank on every ZeRO-3 step
+# (40 lines for 40 steps); nothing a Tessera user can act on.
+LIBRARY_DEPRECATIONS = (
+    r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+    r"`is_gradient_checkpointing` is deprecated",
+)
+
+
+def quiet_known_library_warnings() -> None:
+    for message in LIBRARY_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+
+
 def train_loop_per_worker(loop_config: dict) -> None:
     inputs = WorkerInputs(**loop_config)
     startup = StartupClock(inputs.launched_at)
@@ -72,6 +86,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     # the config, not the inherited environment (the driver warns when that asked for another).
     os.environ["DS_ACCELERATOR"] = "cuda" if config.use_gpu else "cpu"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_known_library_warnings()
     deepspeed = import_deepspeed()  # after DS_ACCELERATOR: DeepSpeed picks its accelerator at import
     import ray.train
 
