@@ -1,17 +1,34 @@
 """Resource wiring on Kubernetes: KubeRay for training, shared volume and MLflow server from env."""
 
+from pathlib import Path
+
 import dagster as dg
 
 from resources import MlflowTracker, RowGroupCache, TesseraStorage
 from resources.io_manager import AtomicFilesystemIOManager
 from resources.kuberay_cluster import kuberay_cluster_from_manifest
 
+# Under the state root, as locally (where DAGSTER_HOME is <root>/dagster and Dagster's default is
+# $DAGSTER_HOME/storage), so one state folder has the same layout in both code locations.
+STEP_VALUES_FOLDER = Path("dagster") / "storage"
+
+
+def step_values_dir(storage: TesseraStorage) -> str:
+    """Where the IO manager keeps values between steps: on the shared state volume.
+
+    Under `k8s_job_executor` each step is a pod of its own, and the Dagster chart's DAGSTER_HOME
+    (/opt/dagster/dagster_home) is the pod's own disk: the default base_dir ($DAGSTER_HOME/storage)
+    would leave an upstream value behind in the pod that wrote it. $TESSERA_HOME is the volume
+    `tessera-state` that every run and step pod mounts (deploy/shared-state.yaml)."""
+    return str(storage.root / STEP_VALUES_FOLDER)
+
 
 def kubernetes_resources() -> dict:
     storage = TesseraStorage(ray_storage_uri=dg.EnvVar("TESSERA_RAY_STORAGE"))
     return {
         "storage": storage,
-        "io_manager": AtomicFilesystemIOManager(),  # values between steps, written atomically
+        # values between steps, written atomically, where the next step's pod can read them
+        "io_manager": AtomicFilesystemIOManager(base_dir=step_values_dir(storage)),
         "ray_cluster": kuberay_cluster_from_manifest(),
         "mlflow_tracker": MlflowTracker(storage=storage, tracking_uri=dg.EnvVar("MLFLOW_TRACKING_URI")),
         "cache": RowGroupCache(storage=storage),

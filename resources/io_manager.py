@@ -77,7 +77,11 @@ def _never_materialized(context: dg.InputContext, which: str, path) -> str:
 
 class AtomicFilesystemIOManager(dg.FilesystemIOManager):
     """`FilesystemIOManager` (same `base_dir` rule: the instance's storage folder by default) with
-    atomic writes."""
+    atomic writes.
+
+    The default suits one machine (locally $DAGSTER_HOME/storage = $TESSERA_HOME/dagster/storage).
+    Where steps run in separate pods, give a `base_dir` every step can read: the Kubernetes code
+    location (`pipelines.resources_kubernetes`) puts it on the shared state volume."""
 
     @classmethod
     def _is_dagster_maintained(cls) -> bool:

@@ -2,13 +2,14 @@
 
 Only the training step asks for a GPU; resource quantities parse; op tags and the k8s_job_executor
 config are read back by dagster-k8s; step pods are assembled with dagster-k8s's own merge and Job
-construction.
+construction; the IO manager keeps values between steps on the volume every step pod mounts.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+from pathlib import Path
 
 import dagster as dg
 import kubernetes.client
@@ -31,9 +32,11 @@ from deploy.k8s_tags import (
     resources_for,
 )
 from tests.unit.deploy_support import (
+    CONFIG_MAP,
     HELM_VALUES,
     RAY_MANIFEST,
     REPO,
+    STATE_PVC,
     _ray_groups,
     _render_k8s_run_launcher,
     _strict_k8s,
@@ -203,3 +206,57 @@ def test_max_concurrent_step_pods_must_be_a_positive_whole_number(value):
 
     with pytest.raises(ValueError, match=f"max_concurrent \\(step pods of one run at once\\) must be a whole number ≥ 1, got {value!r}"):
         k8s_executor_config(max_concurrent=value)
+
+
+# --- values between steps: on the volume every step pod mounts --------------------------------------
+
+
+@pytest.fixture
+def kubernetes_code_location_env(monkeypatch):
+    """The env the step pods get from the ConfigMap `tessera-config`."""
+    for name in ("TESSERA_HOME", "TESSERA_RAY_STORAGE", "MLFLOW_TRACKING_URI"):
+        monkeypatch.setenv(name, CONFIG_MAP["data"][name])
+
+
+def test_io_manager_keeps_step_values_on_the_shared_volume_not_in_dagster_home(kubernetes_code_location_env):
+    from pipelines.resources_kubernetes import kubernetes_resources
+
+    base_dir = kubernetes_resources()["io_manager"].base_dir
+    # Without a base_dir the values go to $DAGSTER_HOME/storage: the pod's own disk.
+    assert base_dir, "the Kubernetes IO manager has no base_dir: values would stay in each step pod's DAGSTER_HOME"
+    for training_on_kuberay in (False, True):
+        for asset_name in ASSET_KEYS:
+            (container,) = _step_job(asset_name, training_on_kuberay=training_on_kuberay,
+                                     with_op_tags=False).spec.template.spec.containers
+            shared = [m.mount_path for m in container.volume_mounts if m.name == STATE_PVC["metadata"]["name"]]
+            assert shared and Path(base_dir).is_relative_to(shared[0]), (asset_name, base_dir, shared)
+            dagster_home = next(e.value for e in container.env if e.name == "DAGSTER_HOME")
+            assert not any(Path(dagster_home).is_relative_to(m.mount_path) for m in container.volume_mounts)
+            assert not Path(base_dir).is_relative_to(dagster_home)
+
+
+def test_a_step_in_another_pod_reads_the_value_its_upstream_step_wrote(kubernetes_code_location_env,
+                                                                      monkeypatch, tmp_path):
+    """Two step pods: each its own DAGSTER_HOME, both the same TESSERA_HOME (the shared volume)."""
+    from pipelines.resources_kubernetes import kubernetes_resources
+
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path / "shared-volume"))
+    io_manager = kubernetes_resources()["io_manager"]
+
+    @dg.asset
+    def upstream():
+        return {"rows": 3}
+
+    @dg.asset
+    def downstream(upstream):
+        return upstream["rows"] * 2
+
+    pod_a_home, pod_b_home = tmp_path / "pod-a-dagster-home", tmp_path / "pod-b-dagster-home"
+    pod_a_home.mkdir(), pod_b_home.mkdir()
+    with dg.instance_for_test(temp_dir=str(pod_a_home)) as pod_a:
+        assert dg.materialize([upstream], instance=pod_a, resources={"io_manager": io_manager}).success
+    with dg.instance_for_test(temp_dir=str(pod_b_home)) as pod_b:
+        result = dg.materialize([upstream, downstream], selection=[downstream], instance=pod_b,
+                                resources={"io_manager": io_manager})
+        assert result.success and result.output_for_node("downstream") == 6
+    assert (tmp_path / "shared-volume" / "dagster" / "storage" / "upstream").is_file()
