@@ -41,12 +41,14 @@ def raw_examples(context: dg.AssetExecutionContext, config: RawExamplesConfig, s
     """Source records (prompt, response) for one day, frozen as JSONL under datasets/raw/."""
     day = context.partition_key
     origins = None
+    # Messages name the file or folder read for this day, not the template.
+    source = config.source.replace("{partition}", day)
     if config.source == "demo":
         records = generate_records(day, config.records_per_partition, config.seed)
     else:
-        records, origins = read_records_with_origins(config.source.replace("{partition}", day))
+        records, origins = read_records_with_origins(source)
     if not records:
-        raise EmptyPartitionError(f"partition {day}: source {config.source} has no records")
+        raise EmptyPartitionError(f"partition {day}: source {source} has no records")
     with staging_directory(storage.folder("datasets") / "raw" / day) as staging:
         with (staging / "records.jsonl").open("w", encoding="utf-8") as handle:
             for record in records:
@@ -55,7 +57,7 @@ def raw_examples(context: dg.AssetExecutionContext, config: RawExamplesConfig, s
         if origins is not None:  # hidden, like the file digests: later errors name the user's file
             origins.save(staging / ORIGINS_FILE)
         final = publish_directory(staging, storage.folder("datasets") / "raw" / day / digest[:16])
-    context.log.info("partition %s: %d records from %s", day, len(records), config.source)
+    context.log.info("partition %s: %d records from %s", day, len(records), source)
     return dg.Output(
         RawPartition(path=str(final / "records.jsonl"), records=len(records), digest=digest),
         metadata={"records": len(records), "digest": digest, "path": str(final)},

@@ -108,7 +108,7 @@ def test_parquet_row_with_null_field_names_row(tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"prompt": ["x", "y"], "response": ["z", None]}), tmp_path / "b.parquet")
-    with pytest.raises(SourceDataError, match=r"row 1 of .*b\.parquet: missing field 'response'"):
+    with pytest.raises(SourceDataError, match=r"row 1 \(0-based\) of .*b\.parquet: field 'response' is null"):
         read_records(tmp_path)
 
 

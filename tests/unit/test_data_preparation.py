@@ -239,3 +239,49 @@ def test_publishing_over_a_damaged_copy_replaces_it(tmp_path):
     intact_inode = (final / "part-0.parquet").stat().st_ino
     assert publish() == final and (final / "part-0.parquet").stat().st_ino == intact_inode  # intact: kept
     assert [p.name for p in tmp_path.iterdir()] == [final.name]
+
+
+def _overlong_prompt(in_eval: bool, eval_fraction: float = 0.05) -> str:
+    """A prompt far longer than seq_len=64 tokens that lands in the eval split (or not)."""
+    base = "encode: " + " ".join("abcd" * 30)
+    return next(prompt for prompt in (f"{base} {n}" for n in range(10_000))
+                if is_eval_example(prompt, eval_fraction) == in_eval)
+
+
+def test_an_overlong_record_in_the_eval_split_is_refused_like_one_in_the_train_split(tmp_path, demo_model):
+    """An eval record longer than seq_len used to be kept, and evaluation crashed minutes later on
+    positions beyond the model's; it must be refused at writing time, naming the record."""
+    import json
+    import re
+
+    import pytest
+
+    from training_core.data.sources import ORIGINS_FILE, read_records_with_origins
+    from training_core.errors import SourceDataError
+
+    tokenizer = load_tokenizer(demo_model.name_or_path)
+    short = generate_records("2026-11-01", 60)
+    long_prompt = _overlong_prompt(in_eval=True)
+    source = tmp_path / "source.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n\n" for r in [*short, {"prompt": long_prompt, "response": "x"}]))
+    records, origins = read_records_with_origins(source)
+    frozen = tmp_path / "raw"  # as raw_examples publishes it: records.jsonl plus the hidden origins
+    frozen.mkdir()
+    (frozen / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    origins.save(frozen / ORIGINS_FILE)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(SourceDataError, match=rf"p: line 61 of .*records\.jsonl, from line 121 of .*source\.jsonl "
+                                              rf"\(prompt {re.escape(repr(long_prompt[:40]))}\): \d+ tokens do not fit seq_len=64"):
+        write_dataset(records, tokenizer, out, DatasetSpec(), source_label="p", records_path=str(frozen / "records.jsonl"))
+    assert list(out.iterdir()) == []  # nothing half-written, not even a staging folder
+
+    # The first overlong record in file order is named, whichever split it falls into.
+    train_long = {"prompt": _overlong_prompt(in_eval=False), "response": "x"}
+    with pytest.raises(SourceDataError, match=r"p: record 60 \(0-based\) \(prompt"):
+        write_dataset([*short, {"prompt": long_prompt, "response": "x"}, train_long], tokenizer, out, DatasetSpec(),
+                      source_label="p")
+    with pytest.raises(SourceDataError, match=r"p: record 60 \(0-based\) \(prompt"):
+        write_dataset([*short, train_long, {"prompt": long_prompt, "response": "x"}], tokenizer, out, DatasetSpec(),
+                      source_label="p")
+    assert list(out.iterdir()) == []

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from training_core.data.packing import RowPacker, is_eval_example, tokenize_examples
+from training_core.data.packing import RowPacker, check_fits, is_eval_example, tokenize_examples
 from training_core.data.sources import ORIGINS_FILE, RecordOrigins
 from training_core.errors import ConfigError, EmptyPartitionError
 from training_core.storage import directory_digest, publish_directory, staging_directory
@@ -105,20 +105,21 @@ def write_dataset(
         train_dir.mkdir()
         files = _TrainFiles(train_dir, spec)
         for start in range(0, len(records), _TOKENIZE_BATCH):
-            train_indices = []
-            for index in range(start, min(start + _TOKENIZE_BATCH, len(records))):
+            batch = records[start : start + _TOKENIZE_BATCH]
+            # Eval records are tokenized too, only to be measured: one longer than seq_len would
+            # crash evaluation after training (positions beyond the model's), so it is refused
+            # here, in record order with the train ones, with the same message.
+            examples = tokenize_examples(tokenizer, [r["prompt"] for r in batch], [r["response"] for r in batch])
+            for index, example in enumerate(examples, start=start):
                 if is_eval_example(records[index]["prompt"], spec.eval_fraction):
+                    check_fits(example, spec.seq_len, lambda: describe(index))  # noqa: B023 - called at once, if at all
                     eval_count += 1
                     if len(eval_records) < spec.max_eval_examples:
                         eval_records.append(records[index])
-                else:
-                    train_indices.append(index)
-            examples = tokenize_examples(tokenizer, [records[i]["prompt"] for i in train_indices],
-                                         [records[i]["response"] for i in train_indices])
-            for index, example in zip(train_indices, examples):
+                    continue
                 packer.add(example, lambda: describe(index))  # noqa: B023 - called at once, if at all
                 tokens += len(example.prompt_ids) + len(example.response_ids)
-            train_examples += len(examples)
+                train_examples += 1
             files.add(packer.take_rows())
         if not train_examples:
             raise EmptyPartitionError(f"{source_label}: every record fell into the eval split")

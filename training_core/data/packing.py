@@ -50,6 +50,16 @@ def tokenize_examples(tokenizer, prompts: list[str], responses: list[str]) -> li
             for prompt_ids, response_ids in zip(prompt_batch, response_batch)]
 
 
+def check_fits(example: TokenizedExample, seq_len: int, describe: Callable[[], str]) -> None:
+    """Refuse an example longer than `seq_len`, named by ``describe()``. Held-out examples are
+    checked too: the model has no positions beyond the rows it trained on, so evaluation would fail."""
+    length = len(example.prompt_ids) + len(example.response_ids)
+    if length > seq_len:
+        raise SourceDataError(
+            f"{describe()}: {length} tokens do not fit seq_len={seq_len}; raise seq_len or shorten the record"
+        )
+
+
 class RowPacker:
     """Greedy in-order packing, one example at a time: completed rows are taken out as they fill,
     so memory holds one row in progress plus the rows not yet taken, never the whole dataset."""
@@ -63,11 +73,8 @@ class RowPacker:
 
     def add(self, example: TokenizedExample, describe: Callable[[], str]) -> None:
         """Append ``example``; ``describe()`` names it in the error when it is longer than a row."""
+        check_fits(example, self.seq_len, describe)
         ids = example.prompt_ids + example.response_ids
-        if len(ids) > self.seq_len:
-            raise SourceDataError(
-                f"{describe()}: {len(ids)} tokens do not fit seq_len={self.seq_len}; raise seq_len or shorten the record"
-            )
         if len(self._ids) + len(ids) > self.seq_len:
             self._close_row()
         self._ids.extend(ids)

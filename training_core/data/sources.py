@@ -70,9 +70,11 @@ def _validated(record: object, where: str) -> dict[str, str]:
         raise SourceDataError(f"{where}: expected an object with {REQUIRED_FIELDS}, got {type(record).__name__}")
     clean = {}
     for field in REQUIRED_FIELDS:
-        if field not in record or record[field] is None:
+        if field not in record:
             raise SourceDataError(f"{where}: missing field '{field}'")
         value = record[field]
+        if value is None:  # told apart from a missing field: the fix is another edit
+            raise SourceDataError(f"{where}: field '{field}' is null")
         if not isinstance(value, str) or not value.strip():
             raise SourceDataError(f"{where}: field '{field}' must be a non-empty string, got {value!r}")
         try:
@@ -144,7 +146,7 @@ def _read_parquet(path: Path) -> Iterator[tuple[dict[str, str], int]]:
     if missing:
         raise SourceDataError(f"{path}: schema lacks column(s) {missing}")
     for row_index, row in enumerate(table.select(list(REQUIRED_FIELDS)).to_pylist()):
-        yield _validated(row, f"row {row_index} of {path}"), row_index
+        yield _validated(row, f"row {row_index} (0-based) of {path}"), row_index
 
 
 @dataclass
