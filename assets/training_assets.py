@@ -10,6 +10,7 @@ from pydantic import Field
 
 from assets.cache_assets import WarmCache
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
+from assets.run_identity import record_this_process
 from resources import MlflowTracker, RowGroupCache, TesseraStorage
 from resources.ray_cluster import check_cluster_capacity, connect_to_cluster, gpu_available_in_cluster
 from training_core.base_model import BaseModelRef
@@ -84,6 +85,7 @@ def lora_adapter(
     """Fine-tunes the base model on the datasets of the training window (TRAINING_WINDOW_DAYS days
     ending at this partition), reading batches through the warmed row-group cache.
     When dataset, base model, config and code are unchanged since a finished run, that run is reused."""
+    record_this_process(context)  # this run holds a training pool slot: a later process can tell if it died
     training_config = config.training_config()
     tracker = mlflow_tracker.client()
     window = DatasetWindow.from_partitions(by_partition(training_dataset, context, "training_dataset"))

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pipelines.instance import LAUNCHER_TAG, fail_abandoned_runs, prepare_home
+from pipelines.instance import LAUNCHER_TAG, AbandonedRunWatch, fail_abandoned_runs, prepare_home
 from training_core.process_identity import this_process
 
 console = Console()
@@ -32,9 +32,14 @@ def demo(args: argparse.Namespace) -> int:
     console.rule(f"[bold]Tessera demo[/] — partition {DEMO_PARTITION}, state in {root}")
     job = defs.resolve_job_def("train_and_promote")
     instance = dg.DagsterInstance.get()
-    for run_id in fail_abandoned_runs(instance):
+    def freed(run_id: str) -> None:
         console.print(f"run {run_id} was abandoned by a killed process: marked failed, its pool slot freed")
-    with console.status("materializing raw_examples → … → promoted_model (Dagster logs below)"):
+
+    for run_id in fail_abandoned_runs(instance):
+        freed(run_id)
+    # also while waiting for the training slot, should its holder be killed meanwhile
+    with console.status("materializing raw_examples → … → promoted_model (Dagster logs below)"), \
+            AbandonedRunWatch(instance, freed):
         result = job.execute_in_process(
             partition_key=DEMO_PARTITION, instance=instance, raise_on_error=False,
             tags={LAUNCHER_TAG: this_process()},

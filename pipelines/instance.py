@@ -1,10 +1,15 @@
 """The local Dagster instance under $TESSERA_HOME/dagster: telemetry off, training pool of 1."""
 
+import logging
 import os
 import sys
+import threading
 from pathlib import Path
 
+from assets.run_identity import LAUNCHER_TAG  # re-exported: `tessera demo` sets it on its runs
 from training_core.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 INSTANCE_SETTINGS = """\
 telemetry:
@@ -39,9 +44,6 @@ def prepare_home(home: str | None = None) -> Path:
     return root
 
 
-LAUNCHER_TAG = "tessera/launcher"  # `this_process()` of the launching process: host, PID, start time
-
-
 def fail_abandoned_runs(instance) -> list[str]:
     """Runs started by a `tessera` process that no longer exists (killed mid-training) still hold
     their concurrency-pool slot; mark them failed and free the slot so a relaunch can proceed.
@@ -60,6 +62,34 @@ def fail_abandoned_runs(instance) -> list[str]:
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
         abandoned.append(run.run_id)
     return abandoned
+
+
+class AbandonedRunWatch:
+    """While a launcher's own run executes (and may wait for the training pool's slot), frees every
+    few seconds the slots of runs whose process was killed meanwhile. Without it, a `tessera demo`
+    waiting behind a demo that was killed waited for ever: the slot was freed only by the next
+    launch. ``on_freed(run_id)`` is called for each run it marks failed."""
+
+    def __init__(self, instance, on_freed, interval_s: float = 5.0) -> None:
+        self._instance, self._on_freed, self._interval_s = instance, on_freed, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="tessera-abandoned-run-watch", daemon=True)
+
+    def __enter__(self) -> "AbandonedRunWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                for run_id in fail_abandoned_runs(self._instance):
+                    self._on_freed(run_id)
+            except Exception as error:  # noqa: BLE001 - a storage hiccup must not end the launcher's run
+                log.warning("checking for abandoned runs failed (%s: %s); trying again", type(error).__name__, error)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ def _dagster(home: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_dagster_asset_materialize_builds_a_days_dataset_and_names_what_training_still_needs(tmp_path):
-    (tmp_path / "dagster").mkdir()
+    prepared = subprocess.run([sys.executable, "-m", "pipelines.instance", str(tmp_path)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)  # as README says, once per state folder
+    assert prepared.returncode == 0, prepared.stderr
     done = _dagster(tmp_path, "asset", "materialize", "-m", "pipelines.definitions", "--partition", "2026-11-02",
                     "--select", "raw_examples,base_model,training_dataset,row_group_cache")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -113,6 +113,51 @@ def test_only_runs_whose_launcher_process_is_gone_are_failed_even_when_its_pid_w
                         "reused": dg.DagsterRunStatus.FAILURE, "elsewhere": dg.DagsterRunStatus.STARTED}
 
 
+def _dead_process() -> str:
+    from training_core.process_identity import this_process
+
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return f"{this_process().rsplit(':', 2)[0]}:{finished.stdout.strip()}:1.000"
+
+
+def test_a_launcher_frees_the_slot_of_a_run_killed_while_it_waits():
+    import threading
+
+    from dagster._core.storage.dagster_run import DagsterRun
+
+    from pipelines.instance import LAUNCHER_TAG, AbandonedRunWatch
+
+    instance = dg.DagsterInstance.ephemeral()
+    freed, seen = threading.Event(), []
+
+    def on_freed(run_id):
+        seen.append(run_id)
+        freed.set()
+
+    with AbandonedRunWatch(instance, on_freed, interval_s=0.05):
+        # the slot holder dies after the launcher started waiting
+        instance.add_run(DagsterRun(job_name="train_and_promote", run_id="run-killed",
+                                    status=dg.DagsterRunStatus.STARTED, tags={LAUNCHER_TAG: _dead_process()}))
+        assert freed.wait(timeout=30)
+    assert seen == ["run-killed"]
+    assert instance.get_run_by_id("run-killed").status == dg.DagsterRunStatus.FAILURE
+
+
+def test_a_run_started_outside_tessera_is_tagged_with_its_process_by_its_training_step():
+    from assets.run_identity import LAUNCHER_TAG, record_this_process
+    from training_core.process_identity import this_process
+
+    @dg.asset
+    def holds_a_pool_slot(context) -> None:
+        record_this_process(context)
+
+    instance = dg.DagsterInstance.ephemeral()
+    untagged = dg.materialize([holds_a_pool_slot], instance=instance)  # as the Dagster CLI launches
+    assert instance.get_run_by_id(untagged.run_id).tags[LAUNCHER_TAG] == this_process()
+    tagged = dg.materialize([holds_a_pool_slot], instance=instance, tags={LAUNCHER_TAG: "launcher:1:2.000"})
+    assert instance.get_run_by_id(tagged.run_id).tags[LAUNCHER_TAG] == "launcher:1:2.000"  # the launcher's kept
+
+
 def test_a_window_day_never_materialized_is_named_with_what_to_materialize(tmp_path):
     from assets.partitions import DAILY, TRAINING_WINDOW
     from resources.io_manager import AtomicFilesystemIOManager
