@@ -13,7 +13,7 @@ from resources import MlflowTracker, TesseraStorage
 from resources.ray_cluster import connect_to_cluster, gpu_available_in_cluster
 from training_core.base_model import BaseModelRef
 from training_core.data.window import DatasetWindow
-from training_core.errors import EmptyPartitionError
+from training_core.errors import EmptyPartitionError, LineageError
 from training_core.evaluate.compare import EvaluationJob, EvaluationReport, champion_not_comparable, run_evaluation
 from training_core.evaluate.settings import EvalSettings
 from training_core.storage import staging_directory
@@ -101,12 +101,17 @@ def evaluation(
     # A reused run often is the champion: nothing to compare against. Another tokenizer: no comparison.
     compare = champion is not None and champion.run_id != lora_adapter.mlflow_run_id
     not_comparable = champion_not_comparable(registry.base_model_of(champion), base_model.name_or_path) if compare else None
-    if not_comparable:
-        context.log.warning("not comparing with the champion (run %s): %s", champion.run_id, not_comparable)
     # Downloaded into the state folder, not /tmp: a Ray task on another node reads it from there.
     with staging_directory(storage.folder("models") / "champion-downloads") as downloads:
-        job = EvaluationJob(base_model.name_or_path, lora_adapter.model_dir, records, settings,
-                            registry.download(champion, downloads) if compare and not not_comparable else None)
+        champion_model = None
+        if compare and not not_comparable:
+            try:
+                champion_model = registry.download(champion, downloads)
+            except LineageError as error:  # artifacts deleted: that champion cannot be served either
+                not_comparable = f"{error}; a model that passes the other gate replaces it as {CHAMPION_ALIAS}"
+        if not_comparable:
+            context.log.warning("not comparing with the champion (run %s): %s", champion.run_id, not_comparable)
+        job = EvaluationJob(base_model.name_or_path, lora_adapter.model_dir, records, settings, champion_model)
         if config.on_ray_cluster:
             import ray
 

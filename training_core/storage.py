@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import xxhash
 
+log = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".staging-"
 STALE_STAGING_S = 6 * 3600  # a staging folder this old, from any host, belongs to no live writer
@@ -68,12 +70,16 @@ def publish_directory(staging: Path, final: Path) -> Path:
     """Rename `staging` to `final` atomically. A content-addressed target that already exists
     wins when its files still match the digests recorded at its publication (the same digest
     means the same bytes); one damaged since (a file emptied or deleted by hand, an interrupted
-    restore) is replaced by the fresh copy instead of being trusted."""
+    restore), or one that cannot be verified (its digest record is gone), is replaced by the fresh
+    copy instead of being trusted, with a warning naming what differed."""
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():
-        if not changed_files(final):
+        changed = changed_files(final)
+        if changed == []:
             shutil.rmtree(staging, ignore_errors=True)
             return final
+        log.warning("%s is not as published (%s): replacing it with the fresh copy", final,
+                    ", ".join(changed) if changed else f"no {FILE_DIGESTS} to verify it against")
         _move_aside_and_remove(final)
     try:
         os.replace(staging, final)

@@ -13,6 +13,8 @@ import time
 import warnings
 from pathlib import Path
 
+from training_core.errors import LineageError
+
 log = logging.getLogger(__name__)
 
 PROCESS_TAG = "tessera.process"  # host:pid:start time of the process that started the run
@@ -149,8 +151,16 @@ class ModelRegistry:
         return self.client.get_run(version.run_id).data.params["base_model"]
 
     def download(self, version, destination: Path) -> tuple[str, str]:
-        """(base_model, local model dir) of a registered version, e.g. the `champion()`."""
-        local = self.client.download_artifacts(version.run_id, "model", str(destination))
+        """(base_model, local model dir) of a registered version, e.g. the `champion()`. Raises
+        ``LineageError`` naming the version and run when its model artifacts are gone."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            local = self.client.download_artifacts(version.run_id, "model", str(destination))
+        except (MlflowException, OSError) as error:
+            raise LineageError(
+                f"{self.name} version {version.version} (MLflow run {version.run_id}), alias {self.alias!r}: its model "
+                f"artifacts cannot be downloaded ({type(error).__name__}: {error})") from error
         return self.base_model_of(version), local
 
     def promote(self, run_id: str) -> tuple[str, bool]:

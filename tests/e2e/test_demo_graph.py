@@ -219,6 +219,26 @@ def test_evaluation_as_a_ray_task_scores_like_the_step_process_and_records_its_s
     assert not [p for p in (home / "models" / "champion-downloads").iterdir()]  # the champion's copy is removed
 
 
+def test_a_champion_whose_artifacts_are_gone_is_named_and_not_compared(demo_run):
+    home, first = demo_run
+    champion_run = first.output_for_node("lora_adapter").mlflow_run_id
+    artifacts = next(p for p in (home / "mlartifacts").rglob(champion_run) if p.is_dir())
+    aside = artifacts.with_name(f"{artifacts.name}-aside")
+    artifacts.rename(aside)  # the artifact store lost the champion's files
+    try:
+        # the latest lora_adapter of this day is the weak one of the gate test: it would be compared
+        result = _materialize(home, selection=["evaluation"],
+                              run_config={"ops": {"evaluation": {"config": {"max_loss_ratio": 1e4}}}})
+    finally:
+        aside.rename(artifacts)
+    assert result.success
+    check = next(e for e in result.get_asset_check_evaluations() if e.check_name == "not_worse_than_champion")
+    assert check.passed and check.metadata["compared"].value is False
+    assert check.description.startswith(f"not compared: tessera-adapter version 1 (MLflow run {champion_run}), "
+                                         "alias 'champion': its model artifacts cannot be downloaded")
+    assert result.output_for_node("evaluation").champion is None
+
+
 def test_reproduce_refuses_when_the_dataset_changed(demo_run):
     # Runs last in this module: it alters the published dataset.
     home, result = demo_run

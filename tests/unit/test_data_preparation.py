@@ -241,6 +241,24 @@ def test_publishing_over_a_damaged_copy_replaces_it(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [final.name]
 
 
+def test_a_published_copy_whose_digest_record_is_gone_is_replaced_not_trusted(tmp_path, caplog):
+    from training_core.storage import FILE_DIGESTS, changed_files, directory_digest, publish_directory, staging_directory
+
+    def publish() -> Path:
+        with staging_directory(tmp_path) as staging:
+            (staging / "part-0.parquet").write_bytes(b"rows")
+            digest = directory_digest(staging, record_files=True)
+            return publish_directory(staging, tmp_path / digest[:16])
+
+    final = publish()
+    (final / FILE_DIGESTS).unlink()
+    (final / "part-0.parquet").unlink()  # damage nobody can see without the record
+    with caplog.at_level("WARNING", logger="training_core.storage"):
+        assert publish() == final
+    assert (final / "part-0.parquet").read_bytes() == b"rows" and changed_files(final) == []
+    assert f"{final} is not as published (no {FILE_DIGESTS} to verify it against): replacing it" in caplog.text
+
+
 def _overlong_prompt(in_eval: bool, eval_fraction: float = 0.05) -> str:
     """A prompt far longer than seq_len=64 tokens that lands in the eval split (or not)."""
     base = "encode: " + " ".join("abcd" * 30)

@@ -79,3 +79,29 @@ def test_runs_left_running_by_a_killed_process_are_marked_killed(tmp_path: Path)
     assert tracking.end_abandoned_runs() == [killed]
     status = {run_id: tracking.client.get_run(run_id).info.status for run_id in (ours, killed, untagged)}
     assert status == {ours: "RUNNING", killed: "KILLED", untagged: "RUNNING"}
+
+
+def test_a_champion_whose_artifacts_are_gone_is_named_by_version_and_run(tmp_path: Path):
+    import shutil
+
+    import pytest
+
+    from training_core.errors import LineageError
+    from training_core.tracking import ModelRegistry
+
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    registry = ModelRegistry(tracking, "adapter", "champion")
+    run_id = tracking.start_run("champion", tags={})
+    tracking.log_batch(run_id, params={"base_model": "/models/base"})
+    model = tmp_path / "upload" / "model"
+    model.mkdir(parents=True)
+    (model / "adapter_model.safetensors").write_bytes(b"weights")
+    tracking.client.log_artifacts(run_id, str(model), "model")
+    registry.promote(run_id)
+    base, local = registry.download(registry.champion(), tmp_path / "first")
+    assert base == "/models/base" and Path(local, "adapter_model.safetensors").read_bytes() == b"weights"
+
+    shutil.rmtree(tmp_path / "artifacts")  # the artifact store lost the run's files
+    with pytest.raises(LineageError, match=rf"adapter version 1 \(MLflow run {run_id}\), alias 'champion': its model "
+                                           r"artifacts cannot be downloaded \("):
+        registry.download(registry.champion(), tmp_path / "second")
