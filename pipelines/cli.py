@@ -4,6 +4,7 @@
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -121,7 +122,17 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def reproduce(args: argparse.Namespace) -> int:
-    prepare_home(args.home)
+    # Reads a state folder that recorded the run; creates nothing there (a mistyped --home used to
+    # get a dagster/ folder before the refusal).
+    from resources.paths import default_home
+    from training_core.errors import ConfigError
+
+    root = Path(args.home).expanduser().resolve() if args.home else default_home()
+    if not root.is_dir():
+        reason = "is a file" if root.exists() else "does not exist"
+        raise ConfigError(f"state folder {root} is not usable: it {reason}; pass --home (or TESSERA_HOME) of the "
+                          "state folder that recorded the run")
+    os.environ["TESSERA_HOME"] = str(root)
     from pipelines.reproduce import reproduce_run
 
     return reproduce_run(args.run_id, console)

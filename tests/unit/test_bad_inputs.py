@@ -472,6 +472,15 @@ def test_records_keep_where_they_came_from_and_an_overlong_one_names_the_users_f
                       source_label="p", records_path=str(frozen / "records.jsonl"))
 
 
+def test_reproduce_with_a_mistyped_home_is_refused_and_creates_nothing(tmp_path, capsys):
+    from pipelines.cli import main
+
+    typo = tmp_path / "tesera-home"
+    assert main(["reproduce", "some-run", "--home", str(typo)]) == 2
+    assert f"tessera reproduce: state folder {typo} is not usable: it does not exist; pass --home" in capsys.readouterr().err
+    assert not typo.exists()
+
+
 def test_reproduce_in_a_state_folder_without_an_mlflow_store_creates_none(tmp_path, monkeypatch):
     from io import StringIO
 
