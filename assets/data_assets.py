@@ -114,6 +114,6 @@ def training_dataset(
         data_version=dg.DataVersion(dataset.digest),
     )
     # Blocking: a failed check stops row_group_cache and training for this partition.
-    for outcome in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer):
+    for outcome in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records, raw_examples.path):
         yield dg.AssetCheckResult(check_name=outcome.name, passed=outcome.passed,
                                   description=outcome.description, metadata=outcome.metadata)

@@ -303,3 +303,31 @@ def test_an_overlong_record_in_the_eval_split_is_refused_like_one_in_the_train_s
         write_dataset([*short, train_long, {"prompt": long_prompt, "response": "x"}], tokenizer, out, DatasetSpec(),
                       source_label="p")
     assert list(out.iterdir()) == []
+
+
+def test_a_duplicate_rows_failure_names_the_repeated_source_records(tmp_path, demo_model):
+    import json
+
+    from training_core.data.quality import run_dataset_checks
+    from training_core.data.sources import ORIGINS_FILE, read_records_with_origins
+
+    distinct = list({(r["prompt"], r["response"]): r for r in generate_records("2026-11-03", 80)}.values())[:60]
+    source = tmp_path / "mine.jsonl"  # the user's file: lines 61 and 62 repeat lines 5 and 9
+    source.write_text("".join(json.dumps(r) + "\n" for r in [*distinct, distinct[4], distinct[8]]))
+    records, origins = read_records_with_origins(source)
+    frozen = tmp_path / "raw" / "records.jsonl"  # as raw_examples freezes them, origins beside
+    frozen.parent.mkdir()
+    frozen.write_text("".join(json.dumps(r) + "\n" for r in records))
+    origins.save(frozen.parent / ORIGINS_FILE)
+    tokenizer = load_tokenizer(demo_model.name_or_path)
+    # 11 tokens per record, rows of 16: one record per row, so a repeated record is a repeated row
+    dataset = write_dataset(records, tokenizer, tmp_path / "out", DatasetSpec(seq_len=16, row_group_rows=16),
+                            source_label="t")
+
+    outcomes = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records, str(frozen))}
+    check = outcomes["no_duplicate_rows"]
+    assert not check.passed and check.metadata["duplicate_records"] == 2
+    assert check.description.endswith(f": 2 source records repeat an earlier one, e.g. line 61 of {source} repeats "
+                                      f"line 5 of {source}; line 62 of {source} repeats line 9 of {source}")
+    without_records = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}
+    assert "source records" not in without_records["no_duplicate_rows"].description

@@ -159,8 +159,35 @@ def _as_rows(column: pa.ChunkedArray, width: int) -> np.ndarray:
     return np.asarray(column.combine_chunks().flatten()).reshape(-1, width)
 
 
-def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer) -> list[CheckOutcome]:
-    """Every check, reading the training split one row group at a time (bounded memory)."""
+def duplicate_records(records: list[dict[str, str]], records_path: str | None = None, limit: int = 3) -> tuple[int, list[str]]:
+    """(how many records repeat an earlier one, up to ``limit`` of them described by their lines): where
+    the duplicate packed rows come from, named in the user's own files when the origins are known."""
+    from training_core.data.sources import ORIGINS_FILE, RecordOrigins
+
+    origins = RecordOrigins.load(Path(records_path).parent / ORIGINS_FILE) if records_path else None
+
+    def where(index: int) -> str:
+        if origins is not None and origins.describe(index):
+            return origins.describe(index)
+        return f"line {index + 1} of {records_path}" if records_path else f"record {index} (0-based)"
+
+    first: dict[bytes, int] = {}
+    repeats, examples = 0, []
+    for index, record in enumerate(records):
+        key = hashlib.blake2b(f"{record['prompt']}\0{record['response']}".encode(), digest_size=16).digest()
+        earlier = first.setdefault(key, index)
+        if earlier != index:
+            repeats += 1
+            if len(examples) < limit:
+                examples.append(f"{where(index)} repeats {where(earlier)}")
+    return repeats, examples
+
+
+def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer, records: list[dict[str, str]] | None = None,
+                       records_path: str | None = None) -> list[CheckOutcome]:
+    """Every check, reading the training split one row group at a time (bounded memory). With the
+    source ``records`` (and ``records_path``, the frozen file they came from), a failed duplicate
+    check names the repeated records."""
     files = sorted((Path(dataset_path) / "train").glob("*.parquet"))
     schema = pq.read_schema(files[0]) if files else pa.schema([])
     stats, widths, leaked = _RowStats(tokenizer.pad_token_id), set(), 0
@@ -190,5 +217,13 @@ def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer) -> list[Check
         *stats.outcomes(seq_len),
         _leakage_outcome(leaked, len(held_out)),
     ]
+    duplicate_check = outcomes[2]
+    if not duplicate_check.passed and records is not None:  # only then: it holds a hash per record
+        repeats, examples = duplicate_records(records, records_path)
+        if repeats:
+            outcomes[2] = CheckOutcome(
+                duplicate_check.name, False,
+                f"{duplicate_check.description}: {repeats} source records repeat an earlier one, e.g. "
+                + "; ".join(examples), {**duplicate_check.metadata, "duplicate_records": repeats})
     assert tuple(o.name for o in outcomes) == DATASET_CHECK_NAMES, "update DATASET_CHECK_NAMES with the checks"
     return outcomes
