@@ -138,6 +138,25 @@ def reproduce(args: argparse.Namespace) -> int:
     return reproduce_run(args.run_id, console)
 
 
+def free_slots(args: argparse.Namespace) -> int:
+    """For runs launched with Dagster's own CLI (no tessera process watches them): fail the runs whose
+    process was killed, which frees their training pool slots for the runs waiting behind them."""
+    from resources.paths import default_home
+    from training_core.errors import ConfigError
+
+    root = Path(args.home).expanduser().resolve() if args.home else default_home()
+    if not (root / "dagster").is_dir():
+        raise ConfigError(f"state folder {root} has no Dagster instance (no {root / 'dagster'}); pass --home")
+    prepare_home(str(root))
+    import dagster as dg
+
+    freed = fail_abandoned_runs(dg.DagsterInstance.get())
+    for run_id in freed:
+        console.print(f"run {run_id} was abandoned by a killed process: marked failed, its pool slot freed")
+    console.print(f"{len(freed)} abandoned run(s) in {root}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="tessera", description="Reproducible LLM fine-tuning pipeline")
@@ -155,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     p_repro.add_argument("run_id", help="MLflow run id of the training run (the lora_adapter asset's mlflow_run)")
     p_repro.add_argument("--home", help="state directory that recorded the run (default $TESSERA_HOME or .tessera/)")
     p_repro.set_defaults(handler=reproduce)
+    p_free = sub.add_parser(
+        "free-slots", help="fail runs whose process was killed, freeing their training pool slots",
+        description="A run killed while training holds the training pool's slot until something marks it failed: "
+                    "dagster dev's run monitoring, the next tessera demo, or this command (for runs started with "
+                    "Dagster's own CLI). Only runs whose launching process is certainly gone on this host are touched.")
+    p_free.add_argument("--home", help="state directory (default $TESSERA_HOME or .tessera/)")
+    p_free.set_defaults(handler=free_slots)
     p_bench = sub.add_parser("bench", help="run a benchmark; writes bench/results/<name>.json and .png")
     p_bench.add_argument("which", choices=["loader", "train"])
     p_bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")

@@ -258,3 +258,26 @@ def test_a_cache_quota_too_small_for_the_dataset_is_reported_by_the_warming_step
         assert (warned in log) == (tight["entries"] < tight["row_groups"])
         partial_seen |= 0 < tight["entries"] < tight["row_groups"]
     assert partial_seen  # some quota in the range held part of the dataset
+
+
+def test_free_slots_fails_only_runs_whose_process_is_gone(tmp_path, capsys, monkeypatch):
+    from dagster._core.storage.dagster_run import DagsterRun
+
+    from pipelines.cli import main
+    from pipelines.instance import LAUNCHER_TAG, prepare_home
+    from training_core.process_identity import this_process
+
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "elsewhere"))
+    assert main(["free-slots", "--home", str(tmp_path / "typo")]) == 2
+    assert "has no Dagster instance" in capsys.readouterr().err and not (tmp_path / "typo").exists()
+
+    prepare_home(str(tmp_path))
+    instance = dg.DagsterInstance.get()
+    for name, launcher in {"killed": _dead_process(), "alive": this_process()}.items():
+        instance.add_run(DagsterRun(job_name="train_and_promote", run_id=f"run-{name}",
+                                    status=dg.DagsterRunStatus.STARTED, tags={LAUNCHER_TAG: launcher}))
+    assert main(["free-slots", "--home", str(tmp_path)]) == 0
+    assert "run run-killed was abandoned" in capsys.readouterr().out
+    statuses = {name: dg.DagsterInstance.get().get_run_by_id(f"run-{name}").status for name in ("killed", "alive")}
+    assert statuses == {"killed": dg.DagsterRunStatus.FAILURE, "alive": dg.DagsterRunStatus.STARTED}
