@@ -34,7 +34,7 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, stora
                              num_hidden_layers=config.demo_layers, seed=config.demo_seed)
         ref = build_demo_model(tokenizer_corpus(), spec, storage.folder("models") / "base")
     else:
-        ref = resolve_pretrained(config.name_or_path)
+        ref = resolve_pretrained(config.name_or_path, storage.base_model_digests)
     context.log.info("base model %s (%s)", ref.name_or_path, ref.digest[:12])
     return dg.Output(
         ref,

@@ -105,6 +105,7 @@ def lora_adapter(
         training_config, inputs, tracker, ray_storage=storage.ray_storage, models_dir=storage.folder("models") / "trained",
         dagster_run_id=context.run_id, extra_tags={"dagster_partition": context.partition_key},
         before_training=lambda: _connect_and_check(ray_cluster, context, training_config),
+        base_digest_records=storage.base_model_digests,
     )
     result = tracked.result
     losses = [loss for _, loss in result.loss_history]

@@ -30,7 +30,7 @@ def reproduce_run(run_id: str, console: Console) -> int:
         return 2
     tracking = tracker.client()
     try:
-        recorded = load_recorded_run(tracking, run_id, str(cache.config().directory))
+        recorded = load_recorded_run(tracking, run_id, str(cache.config().directory), storage.base_model_digests)
     except LineageError as error:
         console.print(f"[red]cannot reproduce:[/] {escape(str(error))}")  # paths and JSON may hold "[...]"
         return 2
@@ -56,6 +56,7 @@ def reproduce_run(run_id: str, console: Console) -> int:
         recorded.config, recorded.inputs, tracking, ray_storage=storage.ray_storage,
         models_dir=storage.folder("models") / "trained", extra_tags={"reproduces": run_id},
         run_name_suffix=f"reproduce-{uuid.uuid4().hex[:8]}", reuse_finished=False,
+        base_digest_records=storage.base_model_digests,
     )
     # A reproduction is never resumed or reused: its checkpoints would only fill the disk.
     if "://" not in storage.ray_storage:

@@ -39,5 +39,10 @@ class TesseraStorage(dg.ConfigurableResource):
         return path
 
     @property
+    def base_model_digests(self) -> Path:
+        """Per-file digests of users' base-model folders (kept here, not in their folders)."""
+        return self.folder("models") / "base-digests"
+
+    @property
     def ray_storage(self) -> str:
         return self.ray_storage_uri or str(self.folder("ray"))

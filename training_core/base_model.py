@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from training_core.errors import ConfigError, ModelNotFoundError
-from training_core.storage import directory_digest, publish_directory, staging_directory
+from training_core.storage import (
+    changed_files,
+    directory_digest,
+    outside_record,
+    publish_directory,
+    staging_directory,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -102,8 +108,10 @@ def build_demo_model(corpus: list[str], spec: TinyLlamaSpec, output_root: Path) 
     )
 
 
-def resolve_pretrained(name_or_path: str) -> BaseModelRef:
-    """Validate a local model directory or hub id by loading its config and tokenizer."""
+def resolve_pretrained(name_or_path: str, digest_records: Path | None = None) -> BaseModelRef:
+    """Validate a local model directory or hub id by loading its config and tokenizer. With
+    ``digest_records``, a local folder's per-file digests are kept there (never in the user's folder),
+    so that a later change can be named file by file (:func:`base_model_changes`)."""
     from transformers import AutoConfig, AutoTokenizer
 
     name_or_path = os.path.expanduser(name_or_path)
@@ -127,7 +135,8 @@ def resolve_pretrained(name_or_path: str) -> BaseModelRef:
         raise ModelNotFoundError(f"base model {name_or_path}{where}: cannot be loaded ({error})") from error
     if tokenizer.eos_token_id is None:
         raise ModelNotFoundError(f"base model {name_or_path}: tokenizer defines no eos_token")
-    digest = directory_digest(path) if looks_local else f"hub:{name_or_path}@{getattr(config, '_commit_hash', None)}"
+    digest = (directory_digest(path, record_in=digest_records) if looks_local
+              else f"hub:{name_or_path}@{getattr(config, '_commit_hash', None)}")
     return BaseModelRef(
         name_or_path=str(path.resolve()) if looks_local else name_or_path,
         digest=digest,
@@ -135,6 +144,18 @@ def resolve_pretrained(name_or_path: str) -> BaseModelRef:
         vocab_size=config.vocab_size,
         source="pretrained",
     )
+
+
+def base_model_changes(folder: Path, digest: str, digest_records: Path | None = None) -> list[str]:
+    """What changed in a local base-model folder since its ``digest`` was taken: the files named
+    ("path (changed|added|removed)") where a per-file record exists (its own, as the demo model's,
+    or one in ``digest_records``), else ["contents (digest <old> then, <new> now)"]; [] when unchanged."""
+    record = outside_record(digest_records, digest) if digest_records is not None else None
+    changed = changed_files(folder, record if record is not None and record.is_file() else None)
+    if changed is not None:
+        return changed
+    now = directory_digest(folder)
+    return [] if now == digest else [f"contents (digest {digest[:12]} then, {now[:12]} now)"]
 
 
 def load_tokenizer(name_or_path: str):

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from training_core.data import cache_version
 from training_core.data.batch_columns import TRAINING_COLUMNS
 from training_core.data.window import window_digest
+from training_core.base_model import base_model_changes
 from training_core.errors import ConfigError, LineageError
 from training_core.evaluate.settings import EvalSettings
 from training_core.lineage import code_version, installed_version, parse_dataset_paths
@@ -36,8 +37,10 @@ class RecordedRun:
     eval_settings: EvalSettings  # what its eval metrics were produced with (defaults if never evaluated)
 
 
-def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: str | None) -> RecordedRun:
-    """Read the lineage record and verify every input still exists with the recorded digest."""
+def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: str | None,
+                      base_digest_records: Path | None = None) -> RecordedRun:
+    """Read the lineage record and verify every input still exists with the recorded digest
+    (``base_digest_records``: where per-file digests of users' base-model folders are kept)."""
     run = _finished_run(tracking, run_id)
     params = run.data.params
     missing = [k for k in LINEAGE_PARAMS if k not in params]
@@ -66,9 +69,10 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
     if not params["base_model_digest"].startswith("hub:"):
         if not base.is_dir():
             raise LineageError(f"run {run_id}: base model {base} is gone")
-        if directory_digest(base) != params["base_model_digest"]:
+        if changes := base_model_changes(base, params["base_model_digest"], base_digest_records):
+            named = [f"{base / change}" for change in changes if not change.startswith("contents (")]
             raise LineageError(f"run {run_id}: base model {base} no longer matches its recorded digest"
-                               + _which_files([base]))
+                               + (f": {', '.join(named)}" if named else ""))
     inputs = TrainingInputs(
         base_model=params["base_model"],
         base_model_digest=params["base_model_digest"],

@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from training_core.base_model import base_model_changes
 from training_core.errors import LineageError
 from training_core.lineage import build_lineage_record
-from training_core.storage import changed_files, directory_digest
+from training_core.storage import changed_files
 from training_core.tracking import MlflowTracking
 from training_core.train.config import TrainingConfig
 from training_core.train.result import TrainingResult
@@ -37,7 +38,7 @@ class TrainingInputs:
     partition_keys: list[str] = field(default_factory=list)
 
 
-def check_inputs_are_as_recorded(inputs: TrainingInputs) -> None:
+def check_inputs_are_as_recorded(inputs: TrainingInputs, base_digest_records: Path | None = None) -> None:
     """The base model and datasets still are what their digests say, and every dataset was tokenized
     with this base model. Checked before a finished run is reused or a new one trains: a base-model
     folder overwritten in place kept its old digest (a reuse would hand back a model trained on the
@@ -45,10 +46,10 @@ def check_inputs_are_as_recorded(inputs: TrainingInputs) -> None:
     the model does not have (an IndexError inside a worker, or silently wrong embeddings)."""
     base = Path(inputs.base_model)
     if not inputs.base_model_digest.startswith("hub:") and base.is_dir():
-        if (now := directory_digest(base)) != inputs.base_model_digest:
+        if changes := base_model_changes(base, inputs.base_model_digest, base_digest_records):
             raise LineageError(
-                f"base model {base} changed since base_model was materialized (digest {inputs.base_model_digest[:12]} "
-                f"then, {now[:12]} now); rematerialize base_model and the training_dataset partitions it tokenized")
+                f"base model {base} changed since base_model was materialized ({', '.join(changes)}); "
+                "rematerialize base_model and the training_dataset partitions it tokenized")
     keys = inputs.partition_keys if len(inputs.partition_keys) == len(inputs.dataset_paths) else inputs.dataset_paths
     stale = []
     for key, path in zip(keys, inputs.dataset_paths):
@@ -124,6 +125,7 @@ def run_tracked_training(
     run_name_suffix: str = "",
     reuse_finished: bool = True,
     before_training: Callable[[], None] | None = None,
+    base_digest_records: Path | None = None,
 ) -> TrackedRun:
     """Reuse a finished run with identical inputs, or train. `before_training` runs only when
     training really starts (the asset connects to Ray there, so a reuse never starts Ray)."""
@@ -139,7 +141,7 @@ def run_tracked_training(
         dagster_run_id=dagster_run_id,
         partition_keys=inputs.partition_keys,
     )
-    check_inputs_are_as_recorded(inputs)
+    check_inputs_are_as_recorded(inputs, base_digest_records)
     if reuse_finished and (earlier := find_reusable_run(tracking, lineage)) is not None:
         log.info("inputs, config and code unchanged since MLflow run %s: reusing it", earlier.mlflow_run_id)
         return earlier

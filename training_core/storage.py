@@ -112,11 +112,15 @@ def _move_aside_and_remove(folder: Path) -> None:
 FILE_DIGESTS = ".file-digests.json"  # hidden: not part of the directory digest it explains
 
 
-def directory_digest(directory: Path, *, exclude_hidden: bool = True, record_files: bool = False) -> str:
+def directory_digest(directory: Path, *, exclude_hidden: bool = True, record_files: bool = False,
+                     record_in: Path | None = None) -> str:
     """SHA-256 over relative paths and bytes of every file, in sorted order.
 
     ``record_files`` (when publishing) also writes each file's XXH3-128 to ``FILE_DIGESTS`` in the
-    directory, so that a later mismatch can name the files that changed (:func:`changed_files`)."""
+    directory, so that a later mismatch can name the files that changed (:func:`changed_files`).
+    ``record_in``: write that record to ``record_in/<digest>.json`` instead, for a directory that is
+    not ours to write into (a user's model folder); :func:`outside_record` finds it again."""
+    record_files = record_files or record_in is not None
     digest, files = hashlib.sha256(), {}
     for relative, path in _content_files(directory, exclude_hidden):
         digest.update(relative.encode())
@@ -130,9 +134,19 @@ def directory_digest(directory: Path, *, exclude_hidden: bool = True, record_fil
         digest.update(b"\0")
         if per_file is not None:
             files[relative] = per_file.hexdigest()
-    if record_files:
+    if record_in is not None:
+        record_in.mkdir(parents=True, exist_ok=True)
+        pending = record_in / f".{uuid.uuid4().hex}.tmp"
+        pending.write_text(json.dumps(files, indent=1, sort_keys=True))
+        os.replace(pending, outside_record(record_in, digest.hexdigest()))
+    elif record_files:
         (directory / FILE_DIGESTS).write_text(json.dumps(files, indent=1, sort_keys=True))
     return digest.hexdigest()
+
+
+def outside_record(record_in: Path, digest: str) -> Path:
+    """Where ``directory_digest(..., record_in=record_in)`` put the file record of a digest."""
+    return record_in / f"{digest}.json"
 
 
 def _content_files(directory: Path, exclude_hidden: bool) -> Iterator[tuple[str, Path]]:
@@ -143,10 +157,11 @@ def _content_files(directory: Path, exclude_hidden: bool) -> Iterator[tuple[str,
         yield relative, path
 
 
-def changed_files(directory: Path) -> list[str] | None:
+def changed_files(directory: Path, record: Path | None = None) -> list[str] | None:
     """What differs from the ``FILE_DIGESTS`` recorded at publication ("path (changed|added|
-    removed)"), or None when the directory has no record (published before it was kept)."""
-    recorded_path = directory / FILE_DIGESTS
+    removed)"), or None when the directory has no record (published before it was kept).
+    ``record``: a record kept outside the directory (:func:`outside_record`)."""
+    recorded_path = record or directory / FILE_DIGESTS
     if not recorded_path.is_file():
         return None
     recorded = json.loads(recorded_path.read_text())

@@ -176,6 +176,26 @@ def test_dataset_paths_that_are_json_but_not_a_list_of_paths_are_refused(trackin
     assert "param dataset_paths is not a list of paths" in _refusal(tracking, run_id)
 
 
+def test_a_changed_file_of_a_users_base_model_is_named(tracking, tmp_path, demo_model):
+    import shutil
+
+    from training_core.base_model import resolve_pretrained
+
+    folder = tmp_path / "users-model"
+    shutil.copytree(demo_model.name_or_path, folder)
+    (folder / ".file-digests.json").unlink()  # a user's folder: its per-file record is kept in the state folder
+    records = tmp_path / "base-digests"
+    base = resolve_pretrained(str(folder), records)
+    dataset = _published_dataset(tmp_path / "datasets" / "2026-11-01")
+    run_id = _record_run(tracking, tmp_path, [dataset],
+                         overrides={"base_model": str(folder), "base_model_digest": base.digest})
+    assert load_recorded_run(tracking, run_id, None, records).inputs.base_model == str(folder)
+    (folder / "generation_config.json").write_text("{}")
+    with pytest.raises(LineageError, match=rf"base model {folder} no longer matches its recorded digest: "
+                                           rf"{folder / 'generation_config.json'} \(changed\)"):
+        load_recorded_run(tracking, run_id, None, records)
+
+
 def test_a_run_still_running_is_refused_with_what_to_do(tracking, tmp_path):
     run_id = _record_run(tracking, tmp_path, [_published_dataset(tmp_path / "d")], status=None)
     message = _refusal(tracking, run_id)

@@ -52,10 +52,29 @@ def test_a_base_model_overwritten_in_place_is_refused_before_a_reuse_or_training
         raise AssertionError("training started on a changed base model")
 
     with pytest.raises(LineageError, match=rf"base model {base.name_or_path} changed since base_model was materialized "
-                                           rf"\(digest {base.digest[:12]} then, \w{{12}} now\); rematerialize base_model"):
+                                           r"\(config\.json \(changed\)\); rematerialize base_model"):
         run_tracked_training(TrainingConfig(), _inputs(base, datasets, ["2026-11-01"]), tracking,
                              ray_storage=str(tmp_path / "ray"), models_dir=tmp_path / "models",
                              before_training=must_not_start)
+
+
+def test_a_users_base_model_folder_is_never_written_to_and_its_changed_file_is_named(demo_model, tmp_path):
+    folder = tmp_path / "users-model"
+    shutil.copytree(demo_model.name_or_path, folder)
+    (folder / ".file-digests.json").unlink()  # a user's folder: no record of ours inside
+    before = sorted(p.name for p in folder.iterdir())
+    records = tmp_path / "state" / "base-digests"
+    base = resolve_pretrained(str(folder), records)
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing written into the user's folder
+    dataset = _dataset(base, tmp_path, "2026-11-01", base.digest)
+    check_inputs_are_as_recorded(_inputs(base, [dataset], ["2026-11-01"]), records)
+
+    (folder / "generation_config.json").write_text("{}")
+    with pytest.raises(LineageError, match=r"changed since base_model was materialized \(generation_config\.json "
+                                           r"\(changed\)\)"):
+        check_inputs_are_as_recorded(_inputs(base, [dataset], ["2026-11-01"]), records)
+    with pytest.raises(LineageError, match=rf"\(contents \(digest {base.digest[:12]} then, \w{{12}} now\)\)"):
+        check_inputs_are_as_recorded(_inputs(base, [dataset], ["2026-11-01"]))  # no record: digests compared
 
 
 def test_a_window_day_tokenized_by_another_base_model_is_named(base, tmp_path):
