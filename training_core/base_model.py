@@ -183,22 +183,26 @@ def tokenizer_fingerprint(name_or_path: str) -> str:
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 
 
-def vocab_size(name_or_path: str) -> int | None:
-    """The model's vocabulary size from its config (None if the config has none: nothing to check)."""
+def load_model_config(name_or_path: str):
+    """The model's ``config.json`` as transformers reads it; the driver's checks share one load (for a
+    hub id each load may go to the network)."""
     from transformers import AutoConfig
 
-    size = getattr(AutoConfig.from_pretrained(name_or_path).get_text_config(), "vocab_size", None)
+    return AutoConfig.from_pretrained(name_or_path)
+
+
+def vocab_size(model_config) -> int | None:
+    """The vocabulary size in a model config (None if it has none: nothing to check)."""
+    size = getattr(model_config.get_text_config(), "vocab_size", None)
     return size if isinstance(size, int) and size > 0 else None
 
 
-def check_context_length(name_or_path: str, seq_len: int) -> None:
+def check_context_length(name_or_path: str, seq_len: int, model_config=None) -> None:
     """Refuse training rows longer than the model's positions, before any worker starts: a model
     with learned positions fails inside a worker with an index error (a device assert on a GPU),
     a rotary one trains on positions it never saw. A RoPE scaling in the model's config is taken
-    as a deliberate extension and accepted."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(name_or_path)
+    as a deliberate extension and accepted. ``model_config``: already loaded, else read here."""
+    config = model_config if model_config is not None else load_model_config(name_or_path)
     field, limit = next(((name, getattr(config, name)) for name in _CONTEXT_FIELDS
                          if isinstance(getattr(config, name, None), int)), (None, None))
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}

@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from training_core.base_model import check_context_length, vocab_size
+from training_core.base_model import check_context_length, load_model_config, vocab_size
 from training_core.errors import ConfigError
 from training_core.storage import directory_digest, replace_directory, staging_directory
 from training_core.train.checkpointing import (
@@ -79,9 +79,10 @@ def run_training(
         raise ConfigError(f"{FAULT_STEP_ENV}={fault_step} would never fire: the run stops at max_steps={config.max_steps}")
     warn_about_accelerator_env(config.use_gpu)
     # Before any worker starts.
-    check_training_data(train_dirs, config.micro_batch_size, config.num_workers, vocab_size(model_path))
-    check_context_length(model_path, seq_len)
-    check_module_names_before_start(config, model_path)
+    model_config = load_model_config(model_path)
+    check_training_data(train_dirs, config.micro_batch_size, config.num_workers, vocab_size(model_config))
+    check_context_length(model_path, seq_len, model_config)
+    check_module_names_before_start(config, model_config)
     inputs = WorkerInputs(
         config=config.model_dump(mode="json"),
         model_path=model_path,

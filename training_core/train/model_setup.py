@@ -78,15 +78,13 @@ def check_module_names(config: TrainingConfig, model) -> None:
                           f"(its linear layers: {linear})")
 
 
-def check_module_names_before_start(config: TrainingConfig, model_path: str) -> None:
+def check_module_names_before_start(config: TrainingConfig, model_config) -> None:
     """``check_module_names`` in the driver, on the model's skeleton (built on the meta device from its
     config: no weights are read or allocated), before any worker starts."""
     if config.method == "full":
         return
-    from transformers import AutoConfig
-
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        skeleton = AutoModelForCausalLM.from_config(model_config)
     check_module_names(config, skeleton)
 
 
