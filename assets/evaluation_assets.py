@@ -10,7 +10,7 @@ from pydantic import Field
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
 from assets.training_assets import TrainedModel
 from resources import MlflowTracker, TesseraStorage
-from resources.ray_cluster import connect_to_cluster, gpu_available_in_cluster
+from resources.ray_cluster import connect_unless_connected, gpu_available_in_cluster
 from training_core.base_model import BaseModelRef
 from training_core.data.window import DatasetWindow
 from training_core.errors import EmptyPartitionError, LineageError
@@ -100,25 +100,23 @@ def evaluation(
     champion = registry.champion()
     # A reused run often is the champion: nothing to compare against. Another tokenizer: no comparison.
     compare = champion is not None and champion.run_id != lora_adapter.mlflow_run_id
-    not_comparable = champion_not_comparable(registry.base_model_of(champion), base_model.name_or_path) if compare else None
+    champion_base = registry.base_model_of(champion) if compare else None
+    not_comparable = champion_not_comparable(champion_base, base_model.name_or_path) if compare else None
     # Downloaded into the state folder, not /tmp: a Ray task on another node reads it from there.
     with staging_directory(storage.folder("models") / "champion-downloads") as downloads:
         champion_model = None
         if compare and not not_comparable:
             try:
-                champion_model = registry.download(champion, downloads)
+                champion_model = (champion_base, registry.download(champion, downloads))
             except LineageError as error:  # artifacts deleted: that champion cannot be served either
                 not_comparable = f"{error}; a model that passes the other gate replaces it as {CHAMPION_ALIAS}"
         if not_comparable:
             context.log.warning("not comparing with the champion (run %s): %s", champion.run_id, not_comparable)
         job = EvaluationJob(base_model.name_or_path, lora_adapter.model_dir, records, settings, champion_model)
         if config.on_ray_cluster:
-            import ray
-
             from training_core.evaluate.on_ray import evaluate_on_ray
 
-            if not ray.is_initialized():  # training in this run already connected
-                connect_to_cluster(ray_cluster, context)
+            connect_unless_connected(ray_cluster, context)
             outcome = evaluate_on_ray(job, gpu_available_in_cluster())
         else:
             outcome = run_evaluation(job)

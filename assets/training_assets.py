@@ -12,7 +12,7 @@ from assets.cache_assets import WarmCache
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
 from assets.run_identity import record_this_process
 from resources import MlflowTracker, RowGroupCache, TesseraStorage
-from resources.ray_cluster import check_cluster_capacity, connect_to_cluster, gpu_available_in_cluster
+from resources.ray_cluster import check_cluster_capacity, connect_unless_connected, gpu_available_in_cluster
 from training_core.base_model import BaseModelRef
 from training_core.data.window import DatasetWindow, window_digest
 from training_core.runs import TrainingInputs, run_tracked_training
@@ -143,10 +143,7 @@ def lora_adapter(
 def _connect_and_check(ray_cluster: RayResource, context: dg.AssetExecutionContext, training_config) -> None:
     """Ray starts (or is reached) only when training runs; then GPU-only settings and the worker
     group's size are checked against the cluster, before any worker starts."""
-    import ray
-
-    if not ray.is_initialized():
-        connect_to_cluster(ray_cluster, context)
+    connect_unless_connected(ray_cluster, context)
     training_config.check_hardware(gpu_available_in_cluster())
     check_cluster_capacity(training_config, ray_cluster, context.log)
 

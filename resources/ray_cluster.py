@@ -184,6 +184,15 @@ def connect_to_cluster(ray_cluster: RayResource, context) -> None:
         ray_cluster.on_connect(context)
 
 
+def connect_unless_connected(ray_cluster: RayResource, context) -> None:
+    """``connect_to_cluster`` unless this process is already connected (an earlier step of the same
+    run, with the in-process executor, trained or evaluated on the cluster)."""
+    import ray
+
+    if not ray.is_initialized():
+        connect_to_cluster(ray_cluster, context)
+
+
 class RayClusterUnreachable(RuntimeError):
     """Nothing accepted a connection at the configured Ray address."""
 
@@ -233,4 +242,5 @@ def gpu_available_in_cluster() -> bool:
 
 
 __all__ = ["LocalRayCluster", "ExternalRayCluster", "RayClusterUnreachable", "RayDataOptions", "RayResource",
-           "check_cluster_capacity", "gpu_available_in_cluster", "wait_until_reachable"]
+           "check_cluster_capacity", "connect_to_cluster", "connect_unless_connected", "gpu_available_in_cluster",
+           "wait_until_reachable"]

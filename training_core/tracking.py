@@ -150,9 +150,10 @@ class ModelRegistry:
         """The base model a registered version was trained on (its run's lineage)."""
         return self.client.get_run(version.run_id).data.params["base_model"]
 
-    def download(self, version, destination: Path) -> tuple[str, str]:
-        """(base_model, local model dir) of a registered version, e.g. the `champion()`. Raises
-        ``LineageError`` naming the version and run when its model artifacts are gone."""
+    def download(self, version, destination: Path) -> str:
+        """The local model dir of a registered version, e.g. the `champion()` (its base model:
+        :meth:`base_model_of`). Raises ``LineageError`` naming the version and run when its model
+        artifacts are gone."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -161,7 +162,7 @@ class ModelRegistry:
             raise LineageError(
                 f"{self.name} version {version.version} (MLflow run {version.run_id}), alias {self.alias!r}: its model "
                 f"artifacts cannot be downloaded ({type(error).__name__}: {error})") from error
-        return self.base_model_of(version), local
+        return local
 
     def promote(self, run_id: str) -> tuple[str, bool]:
         """Register the run's model and move the alias to it. Returns (version, changed); promoting

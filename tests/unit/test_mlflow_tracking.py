@@ -98,8 +98,9 @@ def test_a_champion_whose_artifacts_are_gone_is_named_by_version_and_run(tmp_pat
     (model / "adapter_model.safetensors").write_bytes(b"weights")
     tracking.client.log_artifacts(run_id, str(model), "model")
     registry.promote(run_id)
-    base, local = registry.download(registry.champion(), tmp_path / "first")
-    assert base == "/models/base" and Path(local, "adapter_model.safetensors").read_bytes() == b"weights"
+    local = registry.download(registry.champion(), tmp_path / "first")
+    assert registry.base_model_of(registry.champion()) == "/models/base"
+    assert Path(local, "adapter_model.safetensors").read_bytes() == b"weights"
 
     shutil.rmtree(tmp_path / "artifacts")  # the artifact store lost the run's files
     with pytest.raises(LineageError, match=rf"adapter version 1 \(MLflow run {run_id}\), alias 'champion': its model "
