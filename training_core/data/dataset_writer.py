@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training_core.data.packing import RowPacker, check_fits, is_eval_example, tokenize_examples
-from training_core.data.sources import ORIGINS_FILE, RecordOrigins
+from training_core.data.sources import RecordLocations
 from training_core.errors import ConfigError, EmptyPartitionError
 from training_core.storage import directory_digest, publish_directory, staging_directory
 
@@ -90,11 +90,11 @@ def write_dataset(
     if not records:
         raise EmptyPartitionError(f"{source_label}: no records to write")
 
-    def describe(index: int) -> str:  # a record as the user can find it
-        where = f"line {index + 1} of {records_path}" if records_path else f"record {index} (0-based)"
-        origin = RecordOrigins.load(Path(records_path).parent / ORIGINS_FILE) if records_path else None
-        if origin is not None and origin.describe(index):
-            where += f", from {origin.describe(index)}"
+    def describe(index: int) -> str:  # a record as the user can find it (called only for an error)
+        locations = RecordLocations(records_path)
+        where = locations.frozen(index)
+        if users := locations.users(index):
+            where += f", from {users}"
         return f"{source_label}: {where} (prompt {records[index]['prompt'][:40]!r})"
 
     packer = RowPacker(spec.seq_len, tokenizer.pad_token_id)

@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training_core.data.dataset_writer import read_eval_records
-from training_core.data.packing import IGNORE_INDEX, tokenize_example
+from training_core.data.packing import IGNORE_INDEX, tokenize_examples
+from training_core.data.sources import RecordLocations
 
 
 # What run_dataset_checks returns, in order; the Dagster asset declares its check specs from it.
@@ -68,11 +69,10 @@ class _RowStats:
 
 
 def _eval_sequences(dataset_path: str, tokenizer) -> set[tuple[int, ...]]:
-    sequences = set()
-    for record in read_eval_records(dataset_path):
-        example = tokenize_example(tokenizer, record["prompt"], record["response"])
-        sequences.add(tuple(example.prompt_ids + example.response_ids))
-    return sequences
+    """The held-out examples' token sequences, tokenized as the writer tokenized the training rows."""
+    records = read_eval_records(dataset_path)
+    examples = tokenize_examples(tokenizer, [r["prompt"] for r in records], [r["response"] for r in records])
+    return {tuple(example.prompt_ids + example.response_ids) for example in examples}
 
 
 def _leakage_outcome(leaked: int, held_out: int) -> CheckOutcome:
@@ -162,14 +162,10 @@ def _as_rows(column: pa.ChunkedArray, width: int) -> np.ndarray:
 def duplicate_records(records: list[dict[str, str]], records_path: str | None = None, limit: int = 3) -> tuple[int, list[str]]:
     """(how many records repeat an earlier one, up to ``limit`` of them described by their lines): where
     the duplicate packed rows come from, named in the user's own files when the origins are known."""
-    from training_core.data.sources import ORIGINS_FILE, RecordOrigins
-
-    origins = RecordOrigins.load(Path(records_path).parent / ORIGINS_FILE) if records_path else None
+    locations = RecordLocations(records_path)
 
     def where(index: int) -> str:
-        if origins is not None and origins.describe(index):
-            return origins.describe(index)
-        return f"line {index + 1} of {records_path}" if records_path else f"record {index} (0-based)"
+        return locations.users(index) or locations.frozen(index)
 
     first: dict[bytes, int] = {}
     repeats, examples = 0, []

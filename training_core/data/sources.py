@@ -176,6 +176,21 @@ class RecordOrigins:
             return None  # no record of origins (demo data, or frozen before they were kept)
 
 
+class RecordLocations:
+    """Where record ``index`` of a frozen records file (JSON Lines) is, for messages: its line there,
+    and its place in the user's own file when the origins were kept beside it."""
+
+    def __init__(self, records_path: str | None) -> None:
+        self.records_path = records_path
+        self.origins = RecordOrigins.load(Path(records_path).parent / ORIGINS_FILE) if records_path else None
+
+    def frozen(self, index: int) -> str:
+        return f"line {index + 1} of {self.records_path}" if self.records_path else f"record {index} (0-based)"
+
+    def users(self, index: int) -> str | None:
+        return self.origins.describe(index) if self.origins is not None else None
+
+
 def read_records(source: str | Path) -> list[dict[str, str]]:
     """All records from every data file at `source`, in file order."""
     return read_records_with_origins(source)[0]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from training_core.data.packing import tokenize_example
+from training_core.data.packing import tokenize_examples
 from training_core.evaluate.model_folder import TrainedModelError, check_trained_model_dir
 from training_core.evaluate.results import EvalMetrics
 from training_core.evaluate.settings import EvalSettings
@@ -52,7 +52,7 @@ def evaluate(model, tokenizer, records: list[dict[str, str]], batch_size: int = 
     """On the model's device, in its precision (logits are scored in fp32)."""
     if not records:
         raise ValueError("evaluation needs at least one held-out record")
-    examples = [tokenize_example(tokenizer, r["prompt"], r["response"]) for r in records]
+    examples = tokenize_examples(tokenizer, [r["prompt"] for r in records], [r["response"] for r in records])
     pad = tokenizer.pad_token_id
     device = next(model.parameters()).device
     loss_sum, token_count, matches = 0.0, 0, 0
