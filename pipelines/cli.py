@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pipelines.instance import LAUNCHER_TAG, AbandonedRunWatch, fail_abandoned_runs, prepare_home
+from pipelines.instance import LAUNCHER_TAG, AbandonedRunWatch, fail_abandoned_runs, prepare_home, resolve_home
 from training_core.process_identity import this_process
 
 console = Console()
@@ -124,10 +124,9 @@ def bench(args: argparse.Namespace) -> int:
 def reproduce(args: argparse.Namespace) -> int:
     # Reads a state folder that recorded the run; creates nothing there (a mistyped --home used to
     # get a dagster/ folder before the refusal).
-    from resources.paths import default_home
     from training_core.errors import ConfigError
 
-    root = Path(args.home).expanduser().resolve() if args.home else default_home()
+    root = resolve_home(args.home)
     if not root.is_dir():
         reason = "is a file" if root.exists() else "does not exist"
         raise ConfigError(f"state folder {root} is not usable: it {reason}; pass --home (or TESSERA_HOME) of the "
@@ -141,10 +140,9 @@ def reproduce(args: argparse.Namespace) -> int:
 def free_slots(args: argparse.Namespace) -> int:
     """For runs launched with Dagster's own CLI (no tessera process watches them): fail the runs whose
     process was killed, which frees their training pool slots for the runs waiting behind them."""
-    from resources.paths import default_home
     from training_core.errors import ConfigError
 
-    root = Path(args.home).expanduser().resolve() if args.home else default_home()
+    root = resolve_home(args.home)
     if not (root / "dagster").is_dir():
         raise ConfigError(f"state folder {root} has no Dagster instance (no {root / 'dagster'}); pass --home")
     prepare_home(str(root))

@@ -26,11 +26,16 @@ concurrency:
 """
 
 
-def prepare_home(home: str | None = None) -> Path:
-    """Create the state root and DAGSTER_HOME, and export both for this process."""
+def resolve_home(home: str | None = None) -> Path:
+    """The state root a command was given (``--home``), else $TESSERA_HOME or .tessera/; creates nothing."""
     from resources.paths import default_home
 
-    root = Path(home).expanduser().resolve() if home else default_home()
+    return Path(home).expanduser().resolve() if home else default_home()
+
+
+def prepare_home(home: str | None = None) -> Path:
+    """Create the state root and DAGSTER_HOME, and export both for this process."""
+    root = resolve_home(home)
     dagster_home = root / "dagster"
     try:
         dagster_home.mkdir(parents=True, exist_ok=True)
