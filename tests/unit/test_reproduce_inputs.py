@@ -146,7 +146,7 @@ def _must_not_train(*args, **kwargs):
 
 
 def _resources_for(tracking: MlflowTracking, tmp_path: Path) -> dict:
-    from resources import MlflowTracker, RowGroupCache, TesseraStorage
+    from resources import RowGroupCache, TesseraStorage
 
     storage = TesseraStorage(home=str(tmp_path))
     (tmp_path / "mlflow.db").touch(exist_ok=True)
@@ -292,3 +292,26 @@ def _installed(package: str) -> str:
     import importlib.metadata
 
     return importlib.metadata.version(package)
+
+
+def test_reproduce_with_a_mistyped_home_is_refused_and_creates_nothing(tmp_path, capsys):
+    from pipelines.cli import main
+
+    typo = tmp_path / "tesera-home"
+    assert main(["reproduce", "some-run", "--home", str(typo)]) == 2
+    assert f"tessera reproduce: state folder {typo} is not usable: it does not exist; pass --home" in capsys.readouterr().err
+    assert not typo.exists()
+
+
+def test_reproduce_in_a_state_folder_without_an_mlflow_store_creates_none(tmp_path, monkeypatch):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from pipelines.reproduce import reproduce_run
+
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
+    output = StringIO()
+    assert reproduce_run("0123456789abcdef0123456789abcdef", Console(file=output, width=300)) == 2
+    assert f"cannot reproduce: no MLflow store at {tmp_path / 'mlflow.db'}; pass --home" in output.getvalue()
+    assert not (tmp_path / "mlflow.db").exists()

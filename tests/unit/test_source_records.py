@@ -1,5 +1,6 @@
-"""Source records: messages name the file actually read (the partition substituted into the
-source template), and a null field is told apart from a missing one."""
+"""Source records (JSONL / JSON / CSV / Parquet): every bad record is named by file, line or row and
+field; messages name the file actually read (the partition substituted into the source template),
+and a null field is told apart from a missing one."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import dagster as dg
 import pytest
 
+from training_core.data.dataset_writer import DatasetSpec, write_dataset
 from training_core.data.sources import read_records
 from training_core.errors import EmptyPartitionError, SourceDataError
 
@@ -71,3 +73,147 @@ def test_parquet_errors_say_rows_are_0_based_like_json_array_items(tmp_path):
     pq.write_table(pa.table({"prompt": ["x", " "], "response": ["z", "w"]}), tmp_path / "b.parquet")
     with pytest.raises(SourceDataError, match=r"^row 1 \(0-based\) of .*b\.parquet: field 'prompt' must be a non-empty string"):
         read_records(tmp_path / "b.parquet")
+
+
+def test_missing_source_path_names_the_path(tmp_path):
+    with pytest.raises(SourceDataError, match="does-not-exist.*does not exist"):
+        read_records(tmp_path / "does-not-exist")
+
+
+def test_unreadable_source_file(tmp_path):
+    path = tmp_path / "locked.jsonl"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(SourceDataError, match="locked.jsonl"):
+        read_records(path)
+
+
+def test_jsonl_line_that_is_not_json_names_file_and_line(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n{not json\n")
+    with pytest.raises(SourceDataError, match=r"line 2 of .*a\.jsonl: not valid JSON"):
+        read_records(path)
+
+
+def test_jsonl_line_missing_a_field(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"prompt": "p", "response": "r"}] * 16 + [{"prompt": "p"}]))
+    with pytest.raises(SourceDataError, match=r"line 17 of .*a\.jsonl: missing field 'response'"):
+        read_records(path)
+
+
+def test_csv_and_parquet_sources_read(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.csv").write_text("prompt,response\nhello,world\n")
+    pq.write_table(pa.table({"prompt": ["x"], "response": ["y"], "extra": [1]}), tmp_path / "b.parquet")
+    (tmp_path / "_SUCCESS").write_text("")
+    assert read_records(tmp_path) == [{"prompt": "hello", "response": "world"}, {"prompt": "x", "response": "y"}]
+
+
+def test_excel_csv_with_a_byte_order_mark_and_a_multi_line_field_reads(tmp_path):
+    (tmp_path / "excel.csv").write_bytes(b'\xef\xbb\xbfprompt,response\r\n"two\r\nlines",ok\r\nx,y\r\n')
+    assert read_records(tmp_path / "excel.csv") == [{"prompt": "two\r\nlines", "response": "ok"},
+                                                    {"prompt": "x", "response": "y"}]
+
+
+def test_csv_errors_name_the_line_the_row_starts_on(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text('prompt,response\n"spans\nthree\nlines",ok\n\nbad,\n')
+    with pytest.raises(SourceDataError, match=r"line 6 of .*a\.csv: field 'response' must be a non-empty string"):
+        read_records(path)
+    path.write_text('prompt,response\nfine,row\n"never closed,x\n')
+    with pytest.raises(SourceDataError, match=r"line 3 of .*a\.csv: malformed CSV \(unexpected end of data\)"):
+        read_records(path)
+    path.write_text("question;answer\nq;a\n")
+    with pytest.raises(SourceDataError, match=r"header lacks column\(s\) \['prompt', 'response'\]; it has \['question;answer'\]"):
+        read_records(path)
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", "a.csv"])
+def test_bytes_that_are_not_utf8_are_named_by_line_and_column(tmp_path, name):
+    good = b'{"prompt": "p", "response": "r"}\n' if name.endswith("jsonl") else b"prompt,response\np,r\n"
+    bad = b'{"prompt": "caf\xe9", "response": "r"}\n' if name.endswith("jsonl") else b"caf\xe9,r\n"
+    before = good + good.splitlines(keepends=True)[-1] * 3
+    (tmp_path / name).write_bytes(before + bad)
+    line, column = before.count(b"\n") + 1, bad.index(b"\xe9") + 1
+    with pytest.raises(SourceDataError, match=rf"line {line} of .*{name}: not UTF-8 \(byte 0xe9 at column {column}\)"):
+        read_records(tmp_path / name)
+
+
+def test_a_json_file_may_hold_one_array_of_records(tmp_path):
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps([{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}], indent=2))
+    assert read_records(path) == [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]
+    path.write_text(json.dumps([{"prompt": "a", "response": "b"}, {"prompt": "c"}], indent=2))
+    with pytest.raises(SourceDataError, match=r"item 1 \(0-based\) of the JSON array in .*records\.json: missing field 'response'"):
+        read_records(path)
+    path.write_text('{\n  "prompt": "a",\n  "response": "b"\n}\n')  # one pretty-printed object
+    with pytest.raises(SourceDataError, match=r"line 1 of .*records\.json: not valid JSON .*one object per line, or one JSON array"):
+        read_records(path)
+
+
+def test_suffixes_match_in_any_case_and_an_unknown_one_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "UPPER.JSONL").write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n")
+    assert read_records(tmp_path / "data") == [{"prompt": "p", "response": "r"}]
+    assert read_records(tmp_path / "data" / "UPPER.JSONL") == [{"prompt": "p", "response": "r"}]
+    (tmp_path / "notes.txt").write_text("prompt,response\n")
+    with pytest.raises(SourceDataError, match=r"notes\.txt: unsupported file type '\.txt'; expected one of \.jsonl/"):
+        read_records(tmp_path / "notes.txt")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert read_records("~/data") == [{"prompt": "p", "response": "r"}]
+
+
+def test_parquet_row_with_null_field_names_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["x", "y"], "response": ["z", None]}), tmp_path / "b.parquet")
+    with pytest.raises(SourceDataError, match=r"row 1 \(0-based\) of .*b\.parquet: field 'response' is null"):
+        read_records(tmp_path)
+
+
+def test_a_blank_source_and_a_broken_unicode_escape_are_named(tmp_path):
+    with pytest.raises(SourceDataError, match="source is empty"):
+        read_records("")
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"prompt": "p", "response": "r"}\n{"prompt": "half \\ud83d", "response": "r"}\n')
+    with pytest.raises(SourceDataError, match=r"line 2 of .*a\.jsonl: field 'prompt' holds '\\ud83d', which is not a valid Unicode"):
+        read_records(path)
+
+
+def test_files_inside_hidden_or_underscore_folders_are_not_source_data(tmp_path):
+    good = json.dumps({"prompt": "p", "response": "r"}) + "\n"
+    (tmp_path / "day").mkdir()
+    (tmp_path / "day" / "a.jsonl").write_text(good)
+    for partial in (".staging-host-1-abc/records.jsonl", "_temporary/0/part-0.jsonl"):
+        (tmp_path / "day" / partial).parent.mkdir(parents=True)
+        (tmp_path / "day" / partial).write_text(good * 3 + '{"prompt": "cut off')
+    assert read_records(tmp_path / "day") == [{"prompt": "p", "response": "r"}]
+
+
+def test_records_keep_where_they_came_from_and_an_overlong_one_names_the_users_file(tmp_path, demo_model):
+    from training_core.base_model import load_tokenizer
+    from training_core.data.sources import ORIGINS_FILE, RecordOrigins, read_records_with_origins
+
+    source = tmp_path / "source"
+    source.mkdir()
+    long_prompt = "encode: " + " ".join("abcd" * 30)
+    (source / "a.jsonl").write_text("".join(json.dumps({"prompt": f"encode: {w}", "response": "b"}) + "\n\n" for w in "abcde"))
+    (source / "b.csv").write_text(f"prompt,response\nencode: z,y\n{long_prompt},x\n")
+    (source / "c.json").write_text(json.dumps([{"prompt": "encode: q", "response": "r"}]))
+    records, origins = read_records_with_origins(source)
+    assert len(records) == 8
+    assert [origins.describe(i) for i in (0, 4, 5, 6, 7)] == [
+        f"line 1 of {source / 'a.jsonl'}", f"line 9 of {source / 'a.jsonl'}", f"line 2 of {source / 'b.csv'}",
+        f"line 3 of {source / 'b.csv'}", f"item 0 (0-based) of {source / 'c.json'}"]
+
+    frozen = tmp_path / "raw"  # what raw_examples publishes: records.jsonl plus the hidden origins
+    frozen.mkdir()
+    (frozen / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    origins.save(frozen / ORIGINS_FILE)
+    assert RecordOrigins.load(frozen / ORIGINS_FILE).describe(6) == origins.describe(6)
+    with pytest.raises(SourceDataError, match=rf"p: line 7 of .*records\.jsonl, from line 3 of .*b\.csv \(prompt"):
+        write_dataset(records, load_tokenizer(demo_model.name_or_path), tmp_path / "out", DatasetSpec(),
+                      source_label="p", records_path=str(frozen / "records.jsonl"))
