@@ -238,3 +238,27 @@ def test_relaunching_a_finished_run_reports_the_same_model_without_training(trai
     third = train("first-step-zero3-relaunched-without-snapshot", _config(**ZERO3_SHORT), run_name="first-step-zero3")
     assert third.restarts == 0 and third.loss_history == first.loss_history
     assert all(_weights(third)[key].equal(first_weights[key]) for key in first_weights)
+
+
+def test_bad_rows_found_mid_training_fail_once_instead_of_once_per_ray_retry(ray_session, demo_model, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from training_core.errors import SourceDataError
+    from training_core.train.repeatable_failures import RECORD_NAME
+
+    # Token lists of two lengths: only a worker reading the rows can tell (the preflight reads
+    # the Parquet metadata), so the error comes from inside Ray Train, which retries worker errors.
+    ragged = pa.array([[1] * 16, [2] * 13] * 32, pa.list_(pa.int32()))
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"input_ids": ragged, "labels": ragged}), tmp_path / "data" / "part-0.parquet")
+    with pytest.raises(SourceDataError, match=r"column 'input_ids' has rows of different lengths") as failure:
+        run_training(
+            _config(num_workers=1, max_steps=4), model_path=demo_model.name_or_path,
+            train_dirs=[str(tmp_path / "data")], seq_len=16, cache_dir=None, storage_path=tmp_path / "ray",
+            run_name="ragged", output_dir=tmp_path / "models", max_failures=2,
+        )
+    assert "retries stopped before loading the model" in str(failure.value)
+    # Ray's error is that of the last attempt: a retry that stopped on the record, not a rerun.
+    assert "not retried: an earlier attempt of this run failed on rank 0 with SourceDataError" in str(failure.value.__cause__)
+    assert (tmp_path / "ray" / "ragged" / RECORD_NAME).exists()

@@ -25,6 +25,7 @@ from training_core.train.model_setup import check_module_names_before_start
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.loop import WorkerInputs, train_loop_per_worker
 from training_core.train.ray_trainer import torch_trainer_class, use_quick_health_checks
+from training_core.train.repeatable_failures import clear_repeatable_failure, recorded_repeatable_failure
 from training_core.train.result import TrainingResult
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,13 @@ def run_training(
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
         ),
     )
-    result = trainer.fit()
+    clear_repeatable_failure(storage_path / run_name)
+    try:
+        result = trainer.fit()
+    except Exception as error:
+        if (repeatable := recorded_repeatable_failure(storage_path / run_name)) is not None:
+            raise repeatable from error
+        raise
     if result.error is not None:
         raise result.error
     if result.checkpoint is None:

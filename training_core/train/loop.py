@@ -36,6 +36,11 @@ from training_core.train.config import TrainingConfig
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.deepspeed_startup import import_deepspeed, skip_unused_deepspeed_startup
 from training_core.train.model_setup import apply_method, count_parameters, load_base_model
+from training_core.train.repeatable_failures import (
+    REPEATABLE_ERRORS,
+    record_repeatable_failure,
+    stop_if_an_earlier_attempt_failed,
+)
 from training_core.train.schedule import build_lr_scheduler
 from training_core.train.telemetry import StartupClock, StepTimer, model_flops_per_token
 
@@ -78,6 +83,17 @@ def quiet_known_library_warnings() -> None:
 
 def train_loop_per_worker(loop_config: dict) -> None:
     inputs = WorkerInputs(**loop_config)
+    stop_if_an_earlier_attempt_failed(inputs.run_directory)
+    try:
+        _run_recipe(inputs)
+    except REPEATABLE_ERRORS as error:
+        import ray.train
+
+        record_repeatable_failure(inputs.run_directory, ray.train.get_context().get_world_rank(), error)
+        raise
+
+
+def _run_recipe(inputs: WorkerInputs) -> None:
     startup = StartupClock(inputs.launched_at)
     startup.mark("ray_worker_group", at=_MODULE_IMPORT_STARTED)  # Ray Train controller, workers, process group
     startup.mark("recipe_imports")  # torch, transformers, … (pulled in by unpickling this function)
