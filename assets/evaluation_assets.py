@@ -182,5 +182,6 @@ def promoted_model(context: dg.AssetExecutionContext, mlflow_tracker: MlflowTrac
     return dg.Output(
         PromotedModel(REGISTERED_MODEL, version, CHAMPION_ALIAS, evaluation.mlflow_run_id),
         metadata={"registered_model": REGISTERED_MODEL, "version": version, "alias": CHAMPION_ALIAS,
-                  "alias_moved": changed, "mlflow_run_id": evaluation.mlflow_run_id},
+                  "alias_moved": changed, "mlflow_run_id": evaluation.mlflow_run_id,
+                  "model_kind": registry.model_kind(evaluation.mlflow_run_id)},
     )

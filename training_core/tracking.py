@@ -179,9 +179,33 @@ class ModelRegistry:
         version = self._registered_version(run_id)
         if version is None:
             run = self.client.get_run(run_id)
-            version = self.client.create_model_version(self.name, f"{run.info.artifact_uri}/model", run_id=run_id)
+            version = self.client.create_model_version(self.name, f"{run.info.artifact_uri}/model", run_id=run_id,
+                                                       description=self._how_to_load(run_id))
+        self._label(version)
         self.client.set_registered_model_alias(self.name, self.alias, version.version)
         return str(version.version), True
+
+    def model_kind(self, run_id: str) -> str:
+        """``peft-adapter`` or ``full-model``: what the run's ``model`` artifact holds. Both kinds
+        share one registered model (the name predates full fine-tuning), so consumers read this."""
+        names = {Path(info.path).name for info in self.client.list_artifacts(run_id, "model")}
+        return "peft-adapter" if "adapter_config.json" in names else "full-model"
+
+    def _how_to_load(self, run_id: str) -> str:
+        base = self.client.get_run(run_id).data.params.get("base_model", "(not recorded)")
+        if self.model_kind(run_id) == "peft-adapter":
+            return (f"PEFT adapter on base model {base}: PeftModel.from_pretrained(AutoModelForCausalLM"
+                    f".from_pretrained({base!r}), <this version's folder>)")
+        return f"full model fine-tuned from {base}: AutoModelForCausalLM.from_pretrained(<this version's folder>)"
+
+    def _label(self, version) -> None:
+        """Tags a version with its kind and base model (set again on a finished promotion's relaunch)."""
+        run_id = version.run_id
+        labels = {"tessera.model_kind": self.model_kind(run_id),
+                  "tessera.base_model": self.client.get_run(run_id).data.params.get("base_model", "")}
+        for key, value in labels.items():
+            if version.tags.get(key) != value:
+                self.client.set_model_version_tag(self.name, version.version, key, value)
 
     def _registered_version(self, run_id: str):
         """The version already registered for this run: a promotion killed between registering

@@ -106,3 +106,28 @@ def test_a_champion_whose_artifacts_are_gone_is_named_by_version_and_run(tmp_pat
     with pytest.raises(LineageError, match=rf"adapter version 1 \(MLflow run {run_id}\), alias 'champion': its model "
                                            r"artifacts cannot be downloaded \("):
         registry.download(registry.champion(), tmp_path / "second")
+
+
+def test_registered_versions_say_whether_they_hold_an_adapter_or_a_full_model(tmp_path: Path):
+    from training_core.tracking import ModelRegistry
+
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    registry = ModelRegistry(tracking, "models", "champion")
+    runs = {}
+    for kind, files in (("lora", ["adapter_config.json", "adapter_model.safetensors"]),
+                        ("full", ["config.json", "model.safetensors"])):
+        runs[kind] = tracking.start_run(kind, tags={})
+        tracking.log_batch(runs[kind], params={"base_model": f"/models/base-{kind}"})
+        folder = tmp_path / kind / "model"
+        folder.mkdir(parents=True)
+        for name in files:
+            (folder / name).write_text("{}")
+        tracking.client.log_artifacts(runs[kind], str(folder), "model")
+        registry.promote(runs[kind])
+
+    versions = {v.run_id: v for v in tracking.client.search_model_versions("name = 'models'")}
+    adapter, full = versions[runs["lora"]], versions[runs["full"]]
+    assert adapter.tags == {"tessera.model_kind": "peft-adapter", "tessera.base_model": "/models/base-lora"}
+    assert full.tags == {"tessera.model_kind": "full-model", "tessera.base_model": "/models/base-full"}
+    assert adapter.description.startswith("PEFT adapter on base model /models/base-lora: PeftModel.from_pretrained(")
+    assert full.description.startswith("full model fine-tuned from /models/base-full: AutoModelForCausalLM")
