@@ -57,6 +57,7 @@ def reproduce_run(run_id: str, console: Console) -> int:
         models_dir=storage.folder("models") / "trained", extra_tags={"reproduces": run_id},
         run_name_suffix=f"reproduce-{uuid.uuid4().hex[:8]}", reuse_finished=False,
         base_digest_records=storage.base_model_digests,
+        base_model_checked=True,  # load_recorded_run compared it with the recorded digest
     )
     # A reproduction is never resumed or reused: its checkpoints would only fill the disk.
     if "://" not in storage.ray_storage:

@@ -38,14 +38,17 @@ class TrainingInputs:
     partition_keys: list[str] = field(default_factory=list)
 
 
-def check_inputs_are_as_recorded(inputs: TrainingInputs, base_digest_records: Path | None = None) -> None:
+def check_inputs_are_as_recorded(inputs: TrainingInputs, base_digest_records: Path | None = None,
+                                 base_model_checked: bool = False) -> None:
     """The base model and datasets still are what their digests say, and every dataset was tokenized
     with this base model. Checked before a finished run is reused or a new one trains: a base-model
     folder overwritten in place kept its old digest (a reuse would hand back a model trained on the
     old weights), and a window mixing days tokenized by different base models trains on token ids
-    the model does not have (an IndexError inside a worker, or silently wrong embeddings)."""
+    the model does not have (an IndexError inside a worker, or silently wrong embeddings).
+    ``base_model_checked``: the caller just compared the base model with its digest (hashing a 7B
+    model's folder again would read ~14 GB twice)."""
     base = Path(inputs.base_model)
-    if not inputs.base_model_digest.startswith("hub:") and base.is_dir():
+    if not base_model_checked and not inputs.base_model_digest.startswith("hub:") and base.is_dir():
         if changes := base_model_changes(base, inputs.base_model_digest, base_digest_records):
             raise LineageError(
                 f"base model {base} changed since base_model was materialized ({', '.join(changes)}); "
@@ -126,9 +129,11 @@ def run_tracked_training(
     reuse_finished: bool = True,
     before_training: Callable[[], None] | None = None,
     base_digest_records: Path | None = None,
+    base_model_checked: bool = False,
 ) -> TrackedRun:
     """Reuse a finished run with identical inputs, or train. `before_training` runs only when
-    training really starts (the asset connects to Ray there, so a reuse never starts Ray)."""
+    training really starts (the asset connects to Ray there, so a reuse never starts Ray).
+    ``base_model_checked``: see :func:`check_inputs_are_as_recorded`."""
     lineage = build_lineage_record(
         seed=config.seed,
         data_seed=config.data_seed,
@@ -141,7 +146,7 @@ def run_tracked_training(
         dagster_run_id=dagster_run_id,
         partition_keys=inputs.partition_keys,
     )
-    check_inputs_are_as_recorded(inputs, base_digest_records)
+    check_inputs_are_as_recorded(inputs, base_digest_records, base_model_checked)
     if reuse_finished and (earlier := find_reusable_run(tracking, lineage)) is not None:
         log.info("inputs, config and code unchanged since MLflow run %s: reusing it", earlier.mlflow_run_id)
         return earlier

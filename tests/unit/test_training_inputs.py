@@ -91,3 +91,18 @@ def test_datasets_written_before_the_tokenizer_was_recorded_are_accepted(base, t
     manifest = Path(dataset.path) / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"tokenizer"', '"tokenizer_unrecorded"'))
     check_inputs_are_as_recorded(_inputs(base, [dataset], ["2026-11-01"]))
+
+
+def test_a_caller_that_just_checked_the_base_model_skips_hashing_it_again_but_not_the_tokenizer_check(base, tmp_path):
+    # `tessera reproduce` compares the base model with the run's record first; a second hash of a
+    # 7B folder would read ~14 GB again. The window's tokenizer is still checked.
+    today = _dataset(base, tmp_path, "2026-11-02", base.digest)
+    config_file = Path(base.name_or_path) / "config.json"
+    config_file.write_text(config_file.read_text().replace("{", '{"edited": true, ', 1))
+    check_inputs_are_as_recorded(_inputs(base, [today], ["2026-11-02"]), base_model_checked=True)
+    with pytest.raises(LineageError, match=r"changed since base_model was materialized"):
+        check_inputs_are_as_recorded(_inputs(base, [today], ["2026-11-02"]))
+    yesterday = _dataset(base, tmp_path, "2026-11-01", "0123456789abcdef-other-base")
+    with pytest.raises(LineageError, match=r"training_dataset 2026-11-01 \(tokenized with base model 0123456789ab\)"):
+        check_inputs_are_as_recorded(_inputs(base, [yesterday, today], ["2026-11-01", "2026-11-02"]),
+                                     base_model_checked=True)
