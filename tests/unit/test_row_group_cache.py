@@ -431,6 +431,27 @@ def test_pooled_hits_read_into_reused_buffers_without_aliasing_ragged_rows(tmp_p
     cache.close()
 
 
+def test_warm_rows_of_a_list_column_dense_in_one_row_group_and_ragged_in_another_are_not_aliased(tmp_path):
+    # Even row groups hold lists of one length (cached as a dense 2-D block in a pooled read buffer),
+    # odd ones ragged lists: a window mixing both turns the dense rows into object rows, which must
+    # not stay views of the read buffer that the next cache hit overwrites.
+    ids, lists = [], []
+    for group in range(40):
+        for j in range(50):
+            ids.append(group * 50 + j)
+            lists.append([float(ids[-1])] * (3 if group % 2 == 0 else 1 + j % 4))
+    table = pa.table({"id": pa.array(ids, pa.int64()), "emb": pa.array(lists, pa.list_(pa.float32()))})
+    pq.write_table(table, tmp_path / "mixed.parquet", row_group_size=50)
+    config = CacheConfig(tmp_path / "cache", 2**28)
+    for _ in ("cold", "warm"):
+        with RowGroupReader(tmp_path / "mixed.parquet", batch_size=32, seed=1, shuffle_buffer_row_groups=2,
+                            workers=2, cache=config) as reader:
+            batches = list(reader)
+        foreign = [int(i) for b in batches for i, row in zip(b["id"], b["emb"]) if not np.all(np.asarray(row) == i)]
+        assert foreign == [], f"rows hold another row's values after the window was assembled: {foreign[:5]}"
+    assert reader.stats.cache_hits == 40
+
+
 def test_located_entries_fall_back_when_evicted_by_another_handle(tmp_path):
     config = CacheConfig(tmp_path / "c", 2**26, shards=2)
     cache, other = RowGroupCache(config), RowGroupCache(config)

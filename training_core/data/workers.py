@@ -250,7 +250,9 @@ def _column_template(
 def _as_rows(piece: np.ndarray, dtype: np.dtype, target: np.ndarray) -> np.ndarray:
     if target.dtype != object or piece.dtype == object:
         return piece
-    piece = piece.astype(dtype, copy=False)
+    # Always a copy: the rows become views of it, and ``piece`` may live in a pooled cache-read
+    # buffer that is released (and reused by the next hit) once the window is assembled.
+    piece = piece.astype(dtype, copy=True)
     rows = np.empty(len(piece), dtype=object)
     for i, row in enumerate(piece):
         rows[i] = row
