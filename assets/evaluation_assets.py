@@ -1,6 +1,6 @@
 """evaluation (+ gates) → promoted_model (MLflow registry alias `champion`)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import dagster as dg
@@ -122,6 +122,10 @@ def evaluation(
             outcome = run_evaluation(job)
     report = EvaluationReport(outcome.base, outcome.trained, lora_adapter.model_dir, lora_adapter.mlflow_run_id,
                               outcome.champion)
+    gates = [_beats_base_model(report, config.max_loss_ratio),
+             _not_worse_than_champion(report, champion.run_id if champion else None, config.champion_tolerance,
+                                      not_comparable)]
+    report = replace(report, failed_gates=tuple(gate.check_name for gate in gates if not gate.passed))
     # The settings beside the metrics they produced: `tessera reproduce` evaluates with them.
     tracking.log_batch(lora_adapter.mlflow_run_id, metrics=report.as_metrics(), tags=outcome.settings.as_tags())
     context.log.info("evaluated on %s in %s, batch size %d, by %s%s", outcome.settings.device,
@@ -131,9 +135,7 @@ def evaluation(
                                       "eval_device": outcome.settings.device,
                                       "eval_precision": outcome.settings.precision,
                                       "evaluated_by": outcome.where})
-    yield _beats_base_model(report, config.max_loss_ratio)
-    yield _not_worse_than_champion(report, champion.run_id if champion else None, config.champion_tolerance,
-                                   not_comparable)
+    yield from gates
 
 
 def _beats_base_model(report: EvaluationReport, max_loss_ratio: float) -> dg.AssetCheckResult:
@@ -176,6 +178,20 @@ class PromotedModel:
 def promoted_model(context: dg.AssetExecutionContext, mlflow_tracker: MlflowTracker, evaluation: EvaluationReport):
     """Registers the trained model and points `champion` at it. Runs only when every blocking
     check upstream passed; promoting the current champion again is a no-op."""
+    # Blocking checks stop this step in the run that evaluated; a promotion launched on its own (UI,
+    # backfill) gets here anyway, so it reads the gates off the evaluation it would promote.
+    if evaluation.failed_gates is None:
+        raise dg.Failure(
+            f"the evaluation of partition {context.partition_key} (MLflow run {evaluation.mlflow_run_id}) carries "
+            f"no gate results (stored before gates were recorded); rematerialize evaluation for this partition, "
+            f"then promoted_model; {CHAMPION_ALIAS} stays where it is"
+        )
+    if evaluation.failed_gates:
+        raise dg.Failure(
+            f"not promoting MLflow run {evaluation.mlflow_run_id}: the latest evaluation of partition "
+            f"{context.partition_key} failed {', '.join(evaluation.failed_gates)}; {CHAMPION_ALIAS} stays where it "
+            "is (see that evaluation's asset checks, or rematerialize evaluation with other gate settings)"
+        )
     registry = ModelRegistry(mlflow_tracker.client(), REGISTERED_MODEL, CHAMPION_ALIAS)
     version, changed = registry.promote(evaluation.mlflow_run_id)
     context.log.info("%s version %s is %s %s", REGISTERED_MODEL, version, "now" if changed else "still", CHAMPION_ALIAS)

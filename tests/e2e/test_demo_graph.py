@@ -138,6 +138,12 @@ def test_failing_check_blocks_promotion_and_keeps_the_champion(demo_run):
     checks = {e.check_name: e.passed for e in weak.get_asset_check_evaluations()}
     assert checks["not_worse_than_champion"] is False
     assert "promoted_model" not in {e.asset_key.path[-1] for e in weak.get_asset_materialization_events()}
+    assert weak.output_for_node("evaluation").failed_gates == ("not_worse_than_champion",)
+    # Promoting that partition later, on its own (as from the UI), reads the failed gate off the stored evaluation.
+    alone = _materialize(home, selection=["promoted_model"])
+    assert not alone.success
+    failure = next(e for e in alone.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "failed not_worse_than_champion" in failure.step_failure_data.error.message
     champion_after = client.get_model_version_by_alias(REGISTERED_MODEL, CHAMPION_ALIAS)
     assert champion_after.version == champion_before.version
     assert champion_after.run_id == first.output_for_node("lora_adapter").mlflow_run_id

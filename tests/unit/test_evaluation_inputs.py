@@ -10,7 +10,7 @@ import dagster as dg
 import pydantic
 import pytest
 
-from assets.evaluation_assets import EvaluationConfig, _beats_base_model, _not_worse_than_champion
+from assets.evaluation_assets import EvaluationConfig, _beats_base_model, _not_worse_than_champion, promoted_model
 from pipelines.definitions import defs
 from training_core.base_model import load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, write_dataset
@@ -159,6 +159,29 @@ def test_the_gates_use_the_configured_limits():
     assert _beats_base_model(report, max_loss_ratio=0.9).passed is False
     assert _not_worse_than_champion(report, "champ", champion_tolerance=0.05).passed is False
     assert _not_worse_than_champion(report, "champ", champion_tolerance=0.2).passed is True
+
+
+class _UnreachableTracker:
+    """Promotion must refuse before it looks at the registry."""
+
+    def client(self):
+        raise AssertionError("the registry was consulted for a promotion its gates refuse")
+
+
+@pytest.mark.parametrize("failed_gates, named", [
+    (("not_worse_than_champion",), "failed not_worse_than_champion"),
+    (None, "carries no gate results"),
+])
+def test_a_promotion_launched_on_its_own_refuses_an_evaluation_whose_gates_failed(failed_gates, named):
+    # In the evaluating run, blocking checks skip promoted_model; launched later by itself it must
+    # read the verdict off the evaluation instead of moving the champion.
+    from dataclasses import replace
+
+    report = replace(_report(trained_loss=1.9, champion_loss=1.7), failed_gates=failed_gates)
+    context = dg.build_asset_context(partition_key="2026-11-01")
+    with pytest.raises(dg.Failure, match=named) as refused:
+        promoted_model(context, mlflow_tracker=_UnreachableTracker(), evaluation=report)
+    assert "2026-11-01" in str(refused.value) and "champion stays where it is" in str(refused.value)
 
 
 # --- comparing with the champion ------------------------------------------------------------------

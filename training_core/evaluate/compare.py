@@ -22,6 +22,10 @@ class EvaluationReport:
     trained_model_dir: str
     mlflow_run_id: str
     champion: EvalMetrics | None = None
+    # Promotion gates this evaluation failed, by name: () when all passed, None when none were judged
+    # (`tessera reproduce`, or a report stored before gates were recorded). Promotion reads it, so a
+    # promotion launched on its own still honours the gates of the evaluation it promotes.
+    failed_gates: tuple[str, ...] | None = None
 
     @property
     def loss_ratio(self) -> float:
