@@ -53,6 +53,10 @@ class TrainingRunConfig(dg.Config):
     num_workers: int = Field(2, gt=0, description="Ray Train workers")
     cpus_per_worker: int = Field(1, gt=0)
     use_gpu: bool = Field(False)
+    peak_flops_preset: Literal["auto", "cpu", "a100", "h100", "h200"] = Field(
+        "auto", description="peak FLOP/s for the logged MFU: 'auto' reads the GPU's name; CPU runs log achieved "
+        "FLOP/s only",
+    )
     seed: int = Field(0, description="model init / LoRA / dropout seed")
     data_seed: int = Field(0, description="data order seed")
 

@@ -2,7 +2,7 @@
 
 ``python -m bench.gpu_mfu [--batch 8] [--seq 2048] [--steps 10]`` on a machine with a CUDA GPU.
 Self-contained: the model is built from a config with random weights (no download), the batch is
-random token ids. Prints one JSON object (and writes it to ``--output`` if given); exits with
+random token ids; FLOPs are counted by the training telemetry's own functions. Prints one JSON object (and writes it to ``--output`` if given); exits with
 status 2 and a one-line message where no CUDA device is visible.
 
 MFU = achieved model FLOP/s ÷ peak dense bf16 FLOP/s of the device (989 TFLOP/s for H100/H200
@@ -11,7 +11,8 @@ telemetry's convention (training_core/train/telemetry.py), with N counted as mat
 
     4·N            forward (2N) + activation gradients (2N) through every linear layer
   + 2·N_trainable  weight gradients, only for the LoRA matrices (the base is frozen)
-  + 12·L·d·T       attention scores and weighted sum, forward + backward (PaLM appendix B)
+  + 12·L·d·T       attention scores and weighted sum, forward + backward (PaLM appendix B),
+                   d = heads × head_dim
 
 N is the sum of all ``nn.Linear`` weights (LoRA A/B and lm_head included, the embedding lookup
 excluded: it is a gather, not a matmul). Recomputation (activation checkpointing) is work the
@@ -52,10 +53,6 @@ def pick_attention(requested: str) -> str:
         return "sdpa"
 
 
-def model_flops_per_token(linear_params: int, trainable: int, layers: int, hidden: int, seq_len: int) -> float:
-    return 4.0 * linear_params + 2.0 * trainable + 12.0 * layers * hidden * seq_len
-
-
 def build_model(attention: str, lora_r: int, gradient_checkpointing: bool):
     import torch
     from peft import LoraConfig, get_peft_model
@@ -84,7 +81,11 @@ def measure(args: argparse.Namespace) -> dict:
     attention = pick_attention(args.attention)
     model, config = build_model(attention, args.lora_r, args.gradient_checkpointing)
     model.train()
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    from training_core.train.model_setup import attention_shape, count_matmul_weights
+    from training_core.train.telemetry import model_flops_per_token
+
+    frozen_linear, trainable_linear = count_matmul_weights(model)
+    linear = frozen_linear + trainable_linear
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
@@ -109,7 +110,7 @@ def measure(args: argparse.Namespace) -> dict:
     elapsed = time.perf_counter() - start
 
     tokens_per_s = args.batch * args.seq * args.steps / elapsed
-    flops_per_token = model_flops_per_token(linear, trainable, config.num_hidden_layers, config.hidden_size, args.seq)
+    flops_per_token = model_flops_per_token(frozen_linear, trainable_linear, *attention_shape(config), args.seq)
     achieved = tokens_per_s * flops_per_token
     peak = args.peak_tflops * 1e12
     return {

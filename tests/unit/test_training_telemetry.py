@@ -1,5 +1,5 @@
-"""Our own bookkeeping around the training loop: start-up split, blocked time, core pinning,
-the per-report loss reduction and the DeepSpeed start-up stand-ins."""
+"""Our own bookkeeping around the training loop: start-up split, blocked time, model FLOPs and
+parameter counts, core pinning, the per-report loss reduction and the DeepSpeed start-up stand-ins."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import torch.distributed as dist
 
 from training_core.train.checkpointing import TrainingProgress
 from training_core.train.deepspeed_config import build_deepspeed_config
-from training_core.train.config import TrainingConfig
+from training_core.errors import ConfigError
+from training_core.train.config import TrainingConfig, parse_training_config
 from training_core.train.loop import _append_mean_losses, pin_to_own_cores
-from training_core.train.telemetry import StartupClock, StepTimer
+from training_core.train.model_setup import apply_method, attention_shape, count_matmul_weights, count_parameters
+from training_core.train.telemetry import StartupClock, StepTimer, model_flops_per_token, resolve_peak_preset
 
 
 def test_startup_clock_splits_from_the_launch_mark():
@@ -49,6 +51,81 @@ def _affinity_after_pinning(*args) -> set[int]:
     thread.start()
     thread.join()
     return seen[0]
+
+
+def _tiny_llama(head_dim: int | None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, attn_implementation="eager",
+        **({"head_dim": head_dim} if head_dim else {})))
+
+
+@pytest.mark.parametrize("head_dim", [None, 32], ids=["head_dim=hidden/heads", "heads×head_dim≠hidden"])
+@pytest.mark.parametrize("method", [
+    {"method": "full"},
+    {"method": "lora", "lora": {"r": 8}},
+    {"method": "lora", "lora": {"r": 8, "modules_to_save": ["embed_tokens", "lm_head"]}},
+], ids=["full", "lora", "lora+modules_to_save"])
+def test_model_flops_per_token_match_what_torch_counts_for_a_training_step(method, head_dim):
+    # MFU is achieved / peak FLOPs: an overcount (embeddings, the frozen originals PEFT keeps beside
+    # modules_to_save copies, attention width taken as hidden_size) inflates it.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = apply_method(_tiny_llama(head_dim), TrainingConfig(**method))
+    seq_len, batch = 64, 2
+    estimate = model_flops_per_token(*count_matmul_weights(model), *attention_shape(model.config), seq_len)
+    ids = torch.randint(0, 500, (batch, seq_len))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    measured = counter.get_total_flops() / (batch * seq_len)
+    # LoRA alone overcounts a little: no activation gradient flows below the first adapted layer.
+    assert 0.99 <= estimate / measured <= 1.08, (estimate, measured)
+
+
+def test_parameter_counts_leave_out_unused_copies_and_unpack_4_bit_weights():
+    plain = apply_method(_tiny_llama(None), TrainingConfig(method="lora", lora={"r": 8}))
+    with_copies = apply_method(_tiny_llama(None), TrainingConfig(
+        method="lora", lora={"r": 8, "modules_to_save": ["embed_tokens", "lm_head"]}))
+    assert count_parameters(with_copies)[0] == count_parameters(plain)[0]
+    assert count_parameters(with_copies)[1] > count_parameters(plain)[1]
+
+    class Params4bit(torch.nn.Parameter):  # stands in for bitsandbytes' class: two weights per stored byte
+        pass
+
+    packed = torch.nn.Module()
+    packed.weight = Params4bit(torch.zeros(8, 1, dtype=torch.uint8), requires_grad=False)
+    assert count_parameters(packed) == (16, 0)
+
+
+@pytest.mark.parametrize(("preset", "device", "expected"), [
+    ("auto", "NVIDIA H100 80GB HBM3", "h100"), ("auto", "NVIDIA H200", "h200"),
+    ("auto", "NVIDIA A100-SXM4-80GB", "a100"), ("auto", "NVIDIA L4", "cpu"), ("auto", None, "cpu"),
+    ("a100", "NVIDIA H100 80GB HBM3", "a100"),  # an explicit preset wins (e.g. a clock-limited part)
+])
+def test_the_auto_peak_preset_reads_the_gpus_name(preset, device, expected):
+    assert resolve_peak_preset(preset, device) == expected
+
+
+def test_mfu_is_reported_only_against_a_known_peak():
+    timer = StepTimer()
+    timer.tokens = 1000
+    assert "mfu" not in timer.summary(flops_per_token=1e6, preset="cpu", world_size=2)
+    on_h100 = timer.summary(flops_per_token=1e6, preset="h100", world_size=2)
+    assert on_h100["peak_flops_per_s"] == 989e12
+    assert on_h100["mfu"] == pytest.approx(on_h100["achieved_flops_per_s"] / (2 * 989e12))
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"peak_flops_preset": "h100"}, "peak_flops_preset='h100' is a GPU's peak: it needs use_gpu=True"),
+    ({"weight_decay": float("inf")}, "weight_decay"),
+    ({"gradient_clipping": float("nan")}, "gradient_clipping"),
+])
+def test_telemetry_and_optimizer_settings_that_cannot_apply_are_rejected(values, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_training_config(values)
 
 
 def test_each_local_rank_gets_its_own_cores():
@@ -122,3 +199,11 @@ def test_zero2_step_runs_without_importing_muon_inductor_or_mlflow(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_a_dagster_launch_can_name_the_peak_for_mfu_and_defaults_to_reading_the_gpu():
+    from assets.training_assets import TrainingRunConfig
+
+    assert TrainingRunConfig().training_config().peak_flops_preset == "auto"
+    launched = TrainingRunConfig(use_gpu=True, peak_flops_preset="a100").training_config()
+    assert launched.peak_flops_preset == "a100" and launched.use_gpu

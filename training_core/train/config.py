@@ -51,10 +51,10 @@ class TrainingConfig(BaseModel):
     micro_batch_size: int = Field(8, description="rows per worker per forward pass")
     gradient_accumulation_steps: int = Field(1, ge=1)
     learning_rate: float = Field(3e-3, description="peak learning rate")
-    weight_decay: float = Field(0.0, ge=0.0)
+    weight_decay: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
     warmup_steps: int = Field(10, ge=0)
-    gradient_clipping: float = Field(1.0, ge=0.0)
+    gradient_clipping: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     max_steps: int = Field(120, gt=0, description="optimizer steps; the loader cycles epochs as needed")
     max_epochs: int | None = Field(None, gt=0, description="stop earlier after this many epochs")
 
@@ -69,7 +69,10 @@ class TrainingConfig(BaseModel):
     loader_workers: int = Field(1, gt=0, description="decode threads per Ray worker")
     shuffle_buffer_row_groups: int = Field(4, gt=0)
     cache_size_limit_bytes: int = Field(1 << 30, gt=0)
-    peak_flops_preset: Literal["cpu", "a100", "h100", "h200"] = "cpu"
+    peak_flops_preset: Literal["auto", "cpu", "a100", "h100", "h200"] = Field(
+        "auto", description="peak FLOP/s for MFU: 'auto' reads each worker's GPU name (A100, H100, H200); "
+        "'cpu' or an unlisted GPU logs achieved FLOP/s without MFU",
+    )
 
     # One field each, so that every bad field is reported at once (a model validator runs only
     # when all fields are valid).
@@ -103,6 +106,9 @@ class TrainingConfig(BaseModel):
                 "qlora with zero_stage=3 needs bnb_4bit_quant_storage to match the compute dtype; "
                 "use zero_stage 0-2 for QLoRA"
             )
+        if self.peak_flops_preset not in ("auto", "cpu") and not self.use_gpu:
+            raise ValueError(f"peak_flops_preset={self.peak_flops_preset!r} is a GPU's peak: it needs use_gpu=True "
+                             "('auto' picks it from the GPU's name)")
         if self.precision == "fp16":
             raise ValueError("fp16 is not supported: use bf16 on a GPU (no loss scaling needed) or fp32")
         return self

@@ -35,14 +35,16 @@ from training_core.train.checkpointing import (
 from training_core.train.config import TrainingConfig
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.deepspeed_startup import import_deepspeed, skip_unused_deepspeed_startup
-from training_core.train.model_setup import apply_method, count_parameters, load_base_model
+from training_core.train.model_setup import (
+    apply_method, attention_shape, count_matmul_weights, count_parameters, load_base_model,
+)
 from training_core.train.repeatable_failures import (
     REPEATABLE_ERRORS,
     record_repeatable_failure,
     stop_if_an_earlier_attempt_failed,
 )
 from training_core.train.schedule import build_lr_scheduler
-from training_core.train.telemetry import StartupClock, StepTimer, model_flops_per_token
+from training_core.train.telemetry import StartupClock, StepTimer, model_flops_per_token, resolve_peak_preset
 
 if TYPE_CHECKING:
     from ray.train import Checkpoint
@@ -151,13 +153,8 @@ def _run_recipe(inputs: WorkerInputs) -> None:
 
     batches = EpochBatches(inputs, config, rank, world_size, progress.epoch, loader_state)
     startup.mark("resume_and_loader")
-    hf_config = getattr(engine.module, "config", None)
     flops_per_token = model_flops_per_token(
-        total_params,
-        trainable_params,
-        getattr(hf_config, "num_hidden_layers", 0),
-        getattr(hf_config, "hidden_size", 0),
-        inputs.seq_len,
+        *count_matmul_weights(engine.module), *attention_shape(engine.module.config), inputs.seq_len
     )
     timer = StepTimer()
     already_finished = progress.finished
@@ -190,7 +187,9 @@ def _run_recipe(inputs: WorkerInputs) -> None:
             _report(engine, rank, progress, batches.state_dict())
 
     if not already_finished:
-        progress.telemetry = {**timer.summary(flops_per_token, config.peak_flops_preset, world_size),
+        gpu_name = torch.cuda.get_device_name() if config.use_gpu and torch.cuda.is_available() else None
+        peak_preset = resolve_peak_preset(config.peak_flops_preset, gpu_name)
+        progress.telemetry = {**timer.summary(flops_per_token, peak_preset, world_size),
                               **{f"loader_{k}": v for k, v in batches.stats().items()},
                               **startup.durations, "time_to_first_step_s": sum(startup.durations.values()),
                               "cpu_cores_visible": len(os.sched_getaffinity(0)),  # 1 per worker when pinned

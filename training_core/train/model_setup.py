@@ -88,12 +88,48 @@ def check_module_names_before_start(config: TrainingConfig, model_config) -> Non
     check_module_names(config, skeleton)
 
 
+def _is_unused_copy(name: str) -> bool:
+    # PEFT's modules_to_save keeps the frozen original beside the trained copy; only the copy runs.
+    return "original_module" in name.split(".")
+
+
 def count_parameters(model) -> tuple[int, int]:
-    """(total, trainable). Under ZeRO-3 partitioned parameters report their full size via ds_numel."""
+    """(total, trainable) weights of the model as it trains: under ZeRO-3 partitioned parameters report
+    their full size via ds_numel, 4-bit (QLoRA) parameters hold two weights per stored byte, and the
+    frozen originals PEFT keeps beside modules_to_save copies are left out."""
     total = trainable = 0
-    for parameter in model.parameters():
+    for name, parameter in model.named_parameters():
+        if _is_unused_copy(name):
+            continue
         numel = getattr(parameter, "ds_numel", parameter.numel())
+        if type(parameter).__name__ == "Params4bit":  # bitsandbytes packs two 4-bit weights per uint8
+            numel *= 2
         total += numel
         if parameter.requires_grad:
             trainable += numel
     return total, trainable
+
+
+def count_matmul_weights(model) -> tuple[int, int]:
+    """(frozen, trainable) weights of the linear layers that run in a forward pass, from their shapes
+    (right under ZeRO-3 partitioning and 4-bit packing), for the FLOPs of :func:`model_flops_per_token`."""
+    frozen = trainable = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or _is_unused_copy(name):
+            continue
+        weights = module.in_features * module.out_features
+        if module.weight.requires_grad:
+            trainable += weights
+        else:
+            frozen += weights
+    return frozen, trainable
+
+
+def attention_shape(model_config) -> tuple[int, int]:
+    """(layers, heads × head_dim) of the text model, for the attention term of the FLOPs: head_dim
+    need not be hidden_size / heads (Qwen3, Gemma), and multimodal configs nest the text model."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    layers = getattr(text, "num_hidden_layers", 0) or 0
+    heads = getattr(text, "num_attention_heads", 0) or 0
+    head_dim = getattr(text, "head_dim", None) or (getattr(text, "hidden_size", 0) or 0) // max(heads, 1)
+    return layers, heads * head_dim

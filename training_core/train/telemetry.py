@@ -12,10 +12,23 @@ from dataclasses import asdict, dataclass, field
 PEAK_FLOPS = {"a100": 312e12, "h100": 989e12, "h200": 989e12, "cpu": None}
 
 
-def model_flops_per_token(parameters: int, trainable: int, layers: int, hidden: int, seq_len: int) -> float:
-    """Forward 2N + activation-gradient 2N, plus weight gradients 2N only for trainable weights
-    (LoRA freezes the rest), plus attention scores 12·L·H·T (as in the PaLM MFU formula)."""
-    return 4.0 * parameters + 2.0 * trainable + 12.0 * layers * hidden * seq_len
+def resolve_peak_preset(preset: str, device_name: str | None) -> str:
+    """The PEAK_FLOPS key for this worker: 'auto' reads the GPU's name ("NVIDIA H100 80GB HBM3" → h100);
+    no GPU, or one not in the table, is 'cpu' (achieved FLOP/s only, no MFU)."""
+    if preset != "auto":
+        return preset
+    name = (device_name or "").lower()
+    return next((gpu for gpu in ("h200", "h100", "a100") if gpu in name), "cpu")
+
+
+def model_flops_per_token(frozen_matmul_weights: int, trainable_matmul_weights: int, layers: int,
+                          attention_width: int, seq_len: int) -> float:
+    """Training FLOPs per token, as in PaLM's MFU formula, counting only weights that multiply
+    (linear layers; embeddings are lookups): forward 2N + activation gradients 2N for every such
+    weight, weight gradients 2N only for trainable ones (LoRA freezes the rest), plus attention
+    scores and values 12·L·(heads·head_dim)·T."""
+    weights = frozen_matmul_weights + trainable_matmul_weights
+    return 4.0 * weights + 2.0 * trainable_matmul_weights + 12.0 * layers * attention_width * seq_len
 
 
 STEP_PHASES = ("data_wait", "forward", "backward", "optimizer")
@@ -64,6 +77,7 @@ class StepTimer:
             "peak_memory_mb": peak_memory_mb(),
         }
         if peak:
+            result["peak_flops_per_s"] = peak
             result["mfu"] = achieved / (peak * world_size)
         return result
 
