@@ -235,6 +235,8 @@ def test_modules_to_save_that_the_model_lacks_are_refused(demo_model):
         apply_method(load_base_model(config, demo_model.name_or_path), config)
     with pytest.raises(ConfigError, match="modules_to_save names must not be blank"):
         parse_training_config({"lora": {"modules_to_save": [""]}})
+    with pytest.raises(ConfigError, match="target_modules must be 'all-linear' or a non-empty list"):
+        parse_training_config({"lora": {"target_modules": "  "}})
 
 
 @pytest.mark.parametrize(("lora", "message"), [
@@ -243,6 +245,10 @@ def test_modules_to_save_that_the_model_lacks_are_refused(demo_model):
      r"'lm_head'\]\); for a pretrained base, set it to \[\]"),
     ({"target_modules": ["q_proj", "c_attn"]},
      r"lora.target_modules \['c_attn'\]: no module of that name in the base model \(its linear layers: .*'q_proj'"),
+    ({"target_modules": "all_linear"},  # a misspelt keyword is a regular expression to PEFT
+     r"lora.target_modules 'all_linear': PEFT reads a string other than 'all-linear' as a regular expression over "
+     r"full module names \(such as 'model.layers.0.*'\) and this one matches none"),
+    ({"target_modules": "(q_proj"}, r"lora.target_modules '\(q_proj' is neither 'all-linear' nor a valid regular"),
 ])
 def test_lora_module_names_the_model_lacks_are_refused_before_any_worker_starts(lora, message, demo_model, tmp_path):
     import ray

@@ -26,7 +26,8 @@ class LoraSettings(BaseModel):
     @field_validator("target_modules")
     @classmethod
     def _some_target(cls, value: str | list[str]) -> str | list[str]:
-        if not value or (isinstance(value, list) and not all(name.strip() for name in value)):
+        if (not value or (isinstance(value, str) and not value.strip())
+                or (isinstance(value, list) and not all(name.strip() for name in value))):
             raise ValueError("target_modules must be 'all-linear' or a non-empty list of module names")
         return value
 

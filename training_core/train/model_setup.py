@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -70,12 +72,26 @@ def check_module_names(config: TrainingConfig, model) -> None:
     if absent := missing(config.lora.modules_to_save or []):
         raise ConfigError(f"lora.modules_to_save {absent}: no module of that name in the base model "
                           f"(top-level modules: {top_level}); for a pretrained base, set it to [] (LoRA only)")
-    # A string other than 'all-linear' is a regular expression for PEFT: not checked by name.
-    if isinstance(config.lora.target_modules, list) and (absent := missing(config.lora.target_modules)):
-        linear = sorted({module.rsplit(".", 1)[-1] for module, layer in model.named_modules()
-                         if isinstance(layer, torch.nn.Linear)})
+    target = config.lora.target_modules
+    linear = sorted({module.rsplit(".", 1)[-1] for module, layer in model.named_modules()
+                     if isinstance(layer, torch.nn.Linear)})
+    if isinstance(target, list) and (absent := missing(target)):
         raise ConfigError(f"lora.target_modules {absent}: no module of that name in the base model "
                           f"(its linear layers: {linear})")
+    if isinstance(target, str) and target != "all-linear":
+        # PEFT reads any other string as a regular expression that must match whole module names.
+        try:
+            pattern = re.compile(target)
+        except re.error as error:
+            raise ConfigError(f"lora.target_modules {target!r} is neither 'all-linear' nor a valid regular "
+                              f"expression ({error})") from None
+        if not any(pattern.fullmatch(name) for name in names):
+            example = next((name for name in names if linear and name.endswith(f".{linear[0]}")), "")
+            raise ConfigError(
+                f"lora.target_modules {target!r}: PEFT reads a string other than 'all-linear' as a regular expression "
+                f"over full module names (such as {example!r}) and this one matches none; use 'all-linear' or a "
+                f"list of names (its linear layers: {linear})"
+            )
 
 
 def check_module_names_before_start(config: TrainingConfig, model_config) -> None:
