@@ -80,3 +80,22 @@ def test_ragged_rows_stop_training_naming_the_column(tmp_path):
             batches.next()
     finally:
         batches.close()
+
+
+@pytest.mark.parametrize(("max_epochs", "accumulation", "refused"), [
+    (None, 64, False),  # max_steps alone: the loader cycles epochs
+    (1, 3, False),      # 10 rows / 4 per micro batch: at most 3 micro batches per epoch
+    (1, 4, True),
+    (2, 6, False),
+])
+def test_epochs_too_short_for_one_optimizer_step_are_refused_before_training(max_epochs, accumulation, refused):
+    from training_core.errors import ConfigError
+    from training_core.train.launcher import check_epochs_hold_an_optimizer_step
+
+    config = TrainingConfig(max_epochs=max_epochs, gradient_accumulation_steps=accumulation, micro_batch_size=4)
+    if not refused:
+        check_epochs_hold_an_optimizer_step(config, rows=10)
+        return
+    with pytest.raises(ConfigError, match=r"max_epochs=1 over 10 training rows gives a worker at most 3 micro batches "
+                                          r"of 4 rows, fewer than gradient_accumulation_steps=4"):
+        check_epochs_hold_an_optimizer_step(config, rows=10)

@@ -5,6 +5,7 @@ Ray must already be initialised (the Dagster Ray resource does it; so does the C
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import time
@@ -59,6 +60,21 @@ def warn_about_accelerator_env(use_gpu: bool) -> None:
                     raw, use_gpu, wanted)
 
 
+def check_epochs_hold_an_optimizer_step(config: TrainingConfig, rows: int) -> None:
+    """With max_epochs, refuse a run certain to end before its first optimizer step: even a worker
+    given every row sees at most ceil(rows / micro_batch_size) micro batches per epoch."""
+    if config.max_epochs is None:
+        return
+    most_micro_batches = math.ceil(rows / config.micro_batch_size) * config.max_epochs
+    if most_micro_batches < config.gradient_accumulation_steps:
+        raise ConfigError(
+            f"max_epochs={config.max_epochs} over {rows} training rows gives a worker at most {most_micro_batches} "
+            f"micro batches of {config.micro_batch_size} rows, fewer than gradient_accumulation_steps="
+            f"{config.gradient_accumulation_steps}: not one optimizer step would run; raise max_epochs or lower "
+            "gradient_accumulation_steps"
+        )
+
+
 def run_training(
     config: TrainingConfig,
     *,
@@ -81,7 +97,8 @@ def run_training(
     warn_about_accelerator_env(config.use_gpu)
     # Before any worker starts.
     model_config = load_model_config(model_path)
-    check_training_data(train_dirs, config.micro_batch_size, config.num_workers, vocab_size(model_config))
+    rows = check_training_data(train_dirs, config.micro_batch_size, config.num_workers, vocab_size(model_config))
+    check_epochs_hold_an_optimizer_step(config, rows)
     check_context_length(model_path, seq_len, model_config)
     check_module_names_before_start(config, model_config)
     inputs = WorkerInputs(

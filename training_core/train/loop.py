@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
+from training_core.errors import ConfigError
 from training_core.train.batches import EpochBatches
 from training_core.train.checkpointing import (
     MODEL_DIR,
@@ -186,6 +187,13 @@ def _run_recipe(inputs: WorkerInputs) -> None:
             _append_mean_losses(progress, unreduced_losses, world_size)
             _report(engine, rank, progress, batches.state_dict())
 
+    if progress.step == 0 and not already_finished:
+        # Only max_epochs ends a run here: its epochs held fewer micro batches than one accumulation.
+        raise ConfigError(
+            f"max_epochs={config.max_epochs} ended the run before its first optimizer step: rank {rank} got fewer "
+            f"than gradient_accumulation_steps={config.gradient_accumulation_steps} micro batches of "
+            f"{config.micro_batch_size} rows; raise max_epochs or lower gradient_accumulation_steps"
+        )
     if not already_finished:
         gpu_name = torch.cuda.get_device_name() if config.use_gpu and torch.cuda.is_available() else None
         peak_preset = resolve_peak_preset(config.peak_flops_preset, gpu_name)
