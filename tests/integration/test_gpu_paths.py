@@ -29,8 +29,12 @@ def _run(ray_session, demo_model, demo_dataset, tmp_path, **overrides):
 
 
 def test_bf16_lora_on_nccl(ray_session, demo_model, demo_dataset, tmp_path):
+    from training_core.train.telemetry import resolve_peak_preset
+
     result = _run(ray_session, demo_model, demo_dataset, tmp_path, precision="bf16")
     assert result.steps == 5 and result.telemetry["peak_memory_mb"] > 0
+    if resolve_peak_preset("auto", torch.cuda.get_device_name()) != "cpu":  # an A100/H100/H200: MFU against its peak
+        assert 0.0 < result.telemetry["mfu"] < 1.0 and result.telemetry["peak_flops_per_s"] > 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed")
