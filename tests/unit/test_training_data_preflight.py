@@ -99,3 +99,20 @@ def test_epochs_too_short_for_one_optimizer_step_are_refused_before_training(max
     with pytest.raises(ConfigError, match=r"max_epochs=1 over 10 training rows gives a worker at most 3 micro batches "
                                           r"of 4 rows, fewer than gradient_accumulation_steps=4"):
         check_epochs_hold_an_optimizer_step(config, rows=10)
+
+
+@pytest.mark.parametrize(("values", "warning"), [
+    ({"warmup_steps": 10, "max_steps": 5}, "warmup_steps=10 > max_steps=5: the learning rate never reaches"),
+    ({"checkpoint_every_steps": 50, "max_steps": 20}, "checkpoint_every_steps=50 >= max_steps=20: no checkpoint before"),
+    ({"warmup_steps": 5, "max_steps": 5, "checkpoint_every_steps": 2}, None),
+])
+def test_schedules_that_rarely_mean_what_was_wanted_are_named_in_a_warning(values, warning, caplog):
+    from training_core.train.launcher import warn_about_schedule
+
+    with caplog.at_level("WARNING", logger="training_core.train.launcher"):
+        warn_about_schedule(TrainingConfig(**values))
+    messages = [record.getMessage() for record in caplog.records]
+    if warning is None:
+        assert messages == []
+    else:
+        assert any(warning in message for message in messages), messages

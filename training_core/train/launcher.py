@@ -60,6 +60,16 @@ def warn_about_accelerator_env(use_gpu: bool) -> None:
                     raw, use_gpu, wanted)
 
 
+def warn_about_schedule(config: TrainingConfig) -> None:
+    """Settings that run but rarely mean what was wanted (a short smoke run may want them)."""
+    if config.warmup_steps > config.max_steps:
+        log.warning("warmup_steps=%d > max_steps=%d: the learning rate never reaches learning_rate=%g",
+                    config.warmup_steps, config.max_steps, config.learning_rate)
+    if config.checkpoint_every_steps >= config.max_steps:
+        log.warning("checkpoint_every_steps=%d >= max_steps=%d: no checkpoint before the final one, so a failed "
+                    "worker restarts the run from step 0", config.checkpoint_every_steps, config.max_steps)
+
+
 def check_epochs_hold_an_optimizer_step(config: TrainingConfig, rows: int) -> None:
     """With max_epochs, refuse a run certain to end before its first optimizer step: even a worker
     given every row sees at most ceil(rows / micro_batch_size) micro batches per epoch."""
@@ -95,6 +105,7 @@ def run_training(
     if fault_step is not None and fault_step > config.max_steps:
         raise ConfigError(f"{FAULT_STEP_ENV}={fault_step} would never fire: the run stops at max_steps={config.max_steps}")
     warn_about_accelerator_env(config.use_gpu)
+    warn_about_schedule(config)
     # Before any worker starts.
     model_config = load_model_config(model_path)
     rows = check_training_data(train_dirs, config.micro_batch_size, config.num_workers, vocab_size(model_config))
