@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from training_core.base_model import resolve_pretrained
@@ -360,3 +365,94 @@ def test_training_rows_longer_than_the_models_positions_are_refused_before_worke
     config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
     (scaled / "config.json").write_text(json.dumps(config))
     check_context_length(str(scaled), 2 * limit)  # a deliberate RoPE extension is the user's call
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    (pa.array([1, 2], pa.int32()), pa.array([3, 4], pa.int64())),  # batches from each file: int32, then int64
+    (pa.array([0.5, 1.5]), pa.array([3, 4], pa.int64())),
+    (pa.array([1, 2], pa.int64()), pa.array(["a", "b"])),  # ints and strings mixed in one object column
+    (pa.array([[1], [2]], pa.list_(pa.int32())), pa.array([[3], [4]], pa.list_(pa.int64()))),
+])
+def test_files_whose_column_types_differ_are_refused_naming_both_files_and_types(tmp_path, first, second):
+    from training_core.data import RowGroupReader
+    from training_core.data.parquet_files import SourceError
+
+    pq.write_table(pa.table({"id": [0, 1], "x": first}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"id": [2, 3], "x": second}), tmp_path / "b.parquet")
+    first_type, second_type = (str(pq.read_schema(tmp_path / f"{name}.parquet").field("x").type) for name in "ab")
+    message = (rf"b\.parquet: column 'x' is {re.escape(second_type)} here but {re.escape(first_type)} "
+               rf"in .*a\.parquet; every file must store a column with one type")
+    with pytest.raises(SourceError, match=message):
+        RowGroupReader(tmp_path)
+    with RowGroupReader(tmp_path, columns=["id"], shuffle=False) as reader:  # the other columns agree
+        assert np.concatenate([batch["id"] for batch in reader]).tolist() == [0, 1, 2, 3]
+
+
+def test_files_may_differ_in_what_batches_cannot_tell_apart(tmp_path):
+    """Nullability, dictionary encoding, large strings / lists and list field names give the same
+    batch columns; an empty file (pandas writes an empty object column as type null) is never read."""
+    from training_core.data import RowGroupReader
+
+    pq.write_table(pa.table({"n": pa.array([1, 2], pa.int64()), "s": ["a", "b"], "l": [[1], [2, 3]]},
+                            schema=pa.schema([pa.field("n", pa.int64(), nullable=False), ("s", pa.string()),
+                                              ("l", pa.list_(pa.int64()))])), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"n": pa.array([3], pa.int64()), "s": pa.array(["c"]).dictionary_encode(),
+                             "l": pa.array([[4]], pa.large_list(pa.field("element", pa.int64(), nullable=False)))}),
+                   tmp_path / "b.parquet")
+    pq.write_table(pa.table({"n": pa.array([4], pa.int64()), "s": pa.array(["d"], pa.large_string()),
+                             "l": pa.array([[5]], pa.list_(pa.int64()))}), tmp_path / "c.parquet")
+    pd.DataFrame({"n": pd.Series([], dtype="int64"), "s": pd.Series([], dtype=object),
+                  "l": pd.Series([], dtype=object)}).to_parquet(tmp_path / "d_empty.parquet")
+    with RowGroupReader(tmp_path, batch_size=8, shuffle=False) as reader:
+        (batch,) = list(reader)
+    assert batch["n"].tolist() == [1, 2, 3, 4] and batch["s"].tolist() == ["a", "b", "c", "d"]
+    assert [row.tolist() for row in batch["l"]] == [[1], [2, 3], [4], [5]]
+
+
+def test_a_column_missing_from_a_file_rewritten_after_listing_is_named(tmp_path):
+    from training_core.data import RowGroupReader
+    from training_core.data.parquet_files import RowGroupReadError
+
+    pq.write_table(pa.table({"x": pa.array(range(10), pa.int64())}), tmp_path / "p0.parquet")
+    pq.write_table(pa.table({"x": pa.array(range(10, 20), pa.int64())}), tmp_path / "p1.parquet")
+    with RowGroupReader(tmp_path, batch_size=5, shuffle=False, workers=1) as reader:
+        pq.write_table(pa.table({"y": pa.array(range(10, 20), pa.int64())}), tmp_path / "p1.parquet")
+        with pytest.raises(RowGroupReadError, match=r"p1\.parquet row group 0: no column\(s\) \['x'\] \(it has \[\]\): "
+                                                    r"was the file rewritten after the reader listed it"):
+            list(reader)
+    pq.write_table(pa.table({"x": pa.array(range(10, 20), pa.int64())}), tmp_path / "p1.parquet")
+    with RowGroupReader(tmp_path, batch_size=5, shuffle=False, workers=1) as reader:
+        pq.write_table(pa.table({"x": pa.array(["a"] * 10)}), tmp_path / "p0.parquet")
+        with pytest.raises(RowGroupReadError, match=r"p0\.parquet row group 0: column 'x' is string, listed as int64"):
+            list(reader)
+
+
+def test_a_transform_keeps_the_columns_it_adds_and_must_return_the_same_columns_everywhere(tmp_path):
+    """A column added by the transform is part of every batch; one it returns for some row groups
+    only is refused by name (it was silently dropped, or failed as a bare KeyError)."""
+    from training_core.data import RowGroupReader
+    from training_core.data.workers import TransformError
+
+    schema = pa.schema([pa.field("x", pa.int64(), nullable=False)])
+    pq.write_table(pa.table({"x": np.arange(40)}, schema=schema), tmp_path / "data.parquet", row_group_size=10)
+
+    def read(transform, version):
+        with RowGroupReader(tmp_path / "data.parquet", batch_size=40, shuffle=False, workers=1, transform=transform,
+                            transform_version=version) as reader:
+            return list(reader)
+
+    (batch,) = read(lambda columns: {**columns, "y": columns["x"] * 2}, "add-y")
+    assert batch["y"].tolist() == [2 * x for x in range(40)]
+
+    def add_later(columns):
+        return {**columns, "y": columns["x"] * 2} if columns["x"][0] == 20 else columns
+
+    def drop_later(columns):
+        return columns if columns["x"][0] == 20 else {**columns, "y": columns["x"] * 2}
+
+    with pytest.raises(TransformError, match=r"data\.parquet row group 2: columns \['x', 'y'\] differ from "
+                                             r".*data\.parquet row group 0's \['x'\] \(missing \[\], extra \['y'\]\); "
+                                             r"a transform must return the same columns for every row group"):
+        read(add_later, "add-later")
+    with pytest.raises(TransformError, match=r"row group 2: columns \['x'\] differ .* \(missing \['y'\], extra \[\]\)"):
+        read(drop_later, "drop-later")

@@ -309,6 +309,23 @@ def test_statistics_are_not_used_for_transformed_columns(tmp_path):
     np.testing.assert_array_equal(warm["id"], cold["id"])
 
 
+def test_a_file_rewritten_after_listing_is_not_narrowed_with_the_listings_statistics(tmp_path):
+    """The listing's footer said 0..99 (uint8); the file decoded holds 1000..1099. Narrowing with
+    the stale range wrapped the values silently (232, 233, …) and stored them in the cache."""
+    path = tmp_path / "a.parquet"
+    schema = pa.schema([pa.field("tok", pa.int32(), nullable=False)])
+    pq.write_table(pa.table({"tok": np.arange(100, dtype=np.int32)}, schema=schema), path)
+    for write_queue_bytes in (0, 1 << 20):  # stored on the decode thread / by the background writer
+        config = CacheConfig(tmp_path / f"c{write_queue_bytes}", 2**26, shards=1, write_queue_bytes=write_queue_bytes)
+        with RowGroupReader(path, batch_size=100, shuffle=False, cache=config) as reader:
+            pq.write_table(pa.table({"tok": np.arange(1000, 1100, dtype=np.int32)}, schema=schema), path)
+            (cold,) = list(reader)
+            (warm,) = list(reader)  # the entry stored under the listed identity holds what was served
+            assert reader.stats.cache_hits == 1
+        assert cold["tok"].tolist() == warm["tok"].tolist() == list(range(1000, 1100))
+        pq.write_table(pa.table({"tok": np.arange(100, dtype=np.int32)}, schema=schema), path)
+
+
 def test_warm_cache_reports_and_versions(tmp_path):
     data = write_ids_dataset(tmp_path / "d", [(300, 64)])
     config = CacheConfig(tmp_path / "c", 2**26, shards=2)

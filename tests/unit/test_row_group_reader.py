@@ -151,6 +151,61 @@ def test_batch_columns_follow_the_rules(tmp_path):
     assert shapes == [(1, 1), (1, 2), (1, 0), (1, 3)]  # one row per batch: lengths agree → 2-D
 
 
+def test_a_list_of_strings_column_whose_lists_share_one_length_is_read(tmp_path):
+    """Such a row group decodes to a 2-D object array, which the window assembly could not scatter
+    into its 1-D column of rows; it must follow the list rules like any other list column."""
+    uniform = [["a", "b"], ["c", "d"], ["e", "f"], ["g", "h"]]
+    ragged = [["i"], ["j", "k", "l"], [], ["m", None]]
+    pq.write_table(pa.table({"id": range(8), "tags": uniform + ragged}), tmp_path / "tags.parquet", row_group_size=4)
+    expected = uniform + ragged
+    cache = CacheConfig(tmp_path / "cache", 1 << 30)
+    for options in [dict(shuffle=False), dict(shuffle=True, seed=3), dict(cache=cache), dict(cache=cache)]:
+        with RowGroupReader(tmp_path / "tags.parquet", batch_size=4, shuffle_buffer_row_groups=1, **options) as reader:
+            batches = list(reader)
+        rows = {i: list(tags) for batch in batches for i, tags in zip(batch["id"].tolist(), batch["tags"])}
+        assert rows == dict(enumerate(expected))
+        first = next(batch for batch in batches if batch["id"][0] < 4)  # the uniform row group: one length → 2-D
+        assert first["tags"].shape == (4, 2) and first["tags"].dtype == object
+    with RowGroupReader(tmp_path / "tags.parquet", batch_size=8, shuffle=True, shuffle_buffer_row_groups=2) as reader:
+        (batch,) = list(reader)  # both row groups in one window: a ragged column of rows
+    assert batch["tags"].shape == (8,) and {i: list(t) for i, t in zip(batch["id"], batch["tags"])} == dict(
+        enumerate(expected))
+
+
+def test_empty_files_and_empty_row_groups_leave_integer_columns_integer(tmp_path, caplog):
+    """pandas and pyarrow write an empty file as one 0-row row group without statistics: it holds
+    no NULL, so it must not turn the dataset's nullable integer columns into float64."""
+    pq.write_table(pa.table({"id": pa.array([1, 2, 3], pa.int64())}), tmp_path / "a.parquet")
+    pd.DataFrame({"id": pd.Series([], dtype="int64")}).to_parquet(tmp_path / "b_empty.parquet")
+    with pq.ParquetWriter(tmp_path / "c_zero_row_groups.parquet", pa.schema([("id", pa.int64())])) as writer:
+        for values in ([], [7, 8], []):
+            writer.write_table(pa.table({"id": pa.array(values, pa.int64())}))
+    for cache in (None, CacheConfig(tmp_path / "cache", 1 << 30)):
+        with caplog.at_level("WARNING"), RowGroupReader(tmp_path, batch_size=8, shuffle=False, cache=cache) as reader:
+            (batch,) = list(reader)
+        assert batch["id"].dtype == np.int64 and batch["id"].tolist() == [1, 2, 3, 7, 8]
+    assert "no null counts" not in caplog.text
+
+
+def test_a_column_name_with_a_dot_keeps_its_footer_statistics(tmp_path):
+    """Footer statistics were keyed by the leaf path's first dotted part ("score" for "score.v1"),
+    so a NULL in a later row group did not widen the column: int batches, then float ones."""
+    from training_core.data.parquet_files import index_dataset
+
+    values = list(range(8))
+    values[6] = None  # in the second row group
+    table = pa.table({"score.v1": pa.array(values, pa.int64()), "tok.id": pa.array(range(100, 108), pa.int32())})
+    pq.write_table(table, tmp_path / "dotted.parquet", row_group_size=4)
+    with RowGroupReader(tmp_path / "dotted.parquet", batch_size=4, shuffle=False,
+                        shuffle_buffer_row_groups=1) as reader:
+        batches = list(reader)
+    assert [batch["score.v1"].dtype for batch in batches] == [np.dtype(np.float64)] * 2
+    assert batches[0]["score.v1"].tolist() == [0.0, 1.0, 2.0, 3.0] and np.isnan(batches[1]["score.v1"][2])
+    assert [batch["tok.id"].dtype for batch in batches] == [np.dtype(np.int32)] * 2
+    ranges = [ref.value_ranges for ref in index_dataset(tmp_path / "dotted.parquet").row_groups]
+    assert [r["tok.id"] for r in ranges] == [(100, 103), (104, 107)]
+
+
 def test_a_file_without_statistics_gives_a_nullable_column_one_dtype_in_every_batch(tmp_path, caplog):
     """Without footer null counts a NULL can only be found by decoding; the row groups before it
     must not come out as int while later ones are float. Required columns cannot hold one."""
@@ -338,6 +393,26 @@ def test_state_of_another_dataset_is_rejected(ids_dataset, tmp_path):
         RowGroupReader(other).load_state_dict(state)
 
 
+def test_state_of_a_dataset_with_the_same_rows_in_other_row_groups_is_rejected(ids_dataset, tmp_path):
+    """The order depends on the row-group sizes: a state of 1 000 rows in other row groups would
+    resume into another order, repeating some rows and never delivering others."""
+    from training_core.data.reader import ReaderStateError
+
+    regrouped = write_ids_dataset(tmp_path / "regrouped", [(1000, 250)])
+    with RowGroupReader(ids_dataset, batch_size=100, seed=3) as reader:
+        next(iter(reader))
+        state = json.loads(json.dumps(reader.state_dict()))
+    with RowGroupReader(regrouped, batch_size=100, seed=3) as reader:
+        with pytest.raises(ReaderStateError, match="other row groups .*row_group_sizes_digest"):
+            reader.load_state_dict(state)
+        assert reader.state_dict()["samples_in_epoch"] == 0
+    # a state saved before the fingerprint existed still loads, checked by its row count only
+    old = {key: value for key, value in state.items() if key != "row_group_sizes_digest"}
+    with RowGroupReader(ids_dataset, batch_size=100, seed=3) as reader:
+        reader.load_state_dict(old)
+        assert reader.state_dict() == state
+
+
 def test_batch_to_torch_shares_memory(ids_dataset):
     with RowGroupReader(ids_dataset, batch_size=32, columns=["id", "tokens"]) as reader:
         batch = next(iter(reader))
@@ -492,3 +567,98 @@ def test_batches_kept_by_the_consumer_survive_reused_window_buffers(ids_dataset)
         for name, column in snapshot.items():
             assert np.array_equal(batch[name], column)
             assert np.array_equal(tensors[name].numpy(), column)
+
+
+def _reader_threads(reader: RowGroupReader) -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith(f"tessera-reader-{reader._id}-")]
+
+
+def test_an_iterator_collected_on_one_of_its_own_threads_still_stops_every_thread(tmp_path, monkeypatch):
+    """An abandoned iterator in a reference cycle is finalized by whichever thread the cyclic GC
+    runs on; on one of its decode threads, closing the pipeline joined the current thread
+    (RuntimeError in the finalizer) and the cache writer was never closed."""
+    import gc
+    import sys
+    import threading
+    import time
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    schema = pa.schema([pa.field("x", pa.int64(), nullable=False)])
+    pq.write_table(pa.table({"x": np.arange(20_000)}, schema=schema), tmp_path / "a.parquet", row_group_size=100)
+    dropped = threading.Event()
+
+    def collect_once_dropped(columns):
+        if dropped.is_set():
+            dropped.clear()
+            gc.collect()  # stands in for an automatic collection that happens to run on this decode thread
+        time.sleep(0.005)
+        return columns
+
+    gc.disable()  # the collection happens exactly there, not on the test's thread
+    try:
+        reader = RowGroupReader(tmp_path / "a.parquet", batch_size=50, workers=2, transform=collect_once_dropped,
+                                transform_version="gc", cache=CacheConfig(tmp_path / "c", 1 << 30),
+                                prefetch_batches=1024)
+        iterator = iter(reader)
+        next(iterator)
+        cycle: list = [iterator]
+        cycle.append(cycle)
+        del iterator, cycle
+        dropped.set()
+        deadline = time.monotonic() + 10
+        while _reader_threads(reader) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        gc.enable()
+    assert not dropped.is_set(), "the transform never ran the collection"
+    assert [hook.exc_value for hook in unraisable] == []
+    assert _reader_threads(reader) == []
+    reader.close()
+
+
+def test_a_transform_slower_than_the_read_timeout_is_named_not_blamed_on_storage(tmp_path):
+    import time
+
+    from training_core.data.workers import TransformError
+
+    pq.write_table(pa.table({"x": pa.array(range(10), pa.int64())}), tmp_path / "a.parquet")
+
+    def slow(columns):
+        time.sleep(0.6)  # e.g. tokenizing a big row group
+        return columns
+
+    with RowGroupReader(tmp_path / "a.parquet", batch_size=10, transform=slow, transform_version="slow",
+                        read_timeout_s=0.3) as reader:
+        with pytest.raises(TransformError, match=r"a\.parquet row group 0: the transform has not returned "
+                                                 r"read_timeout_s=0\.3s after the row group's read started"):
+            list(reader)
+
+
+def test_close_from_another_thread_ends_a_waiting_iteration_with_reader_closed(tmp_path):
+    import threading
+    import time
+
+    from training_core.data.workers import ReaderClosedError
+
+    pq.write_table(pa.table({"x": pa.array(range(30), pa.int64())}), tmp_path / "a.parquet", row_group_size=10)
+
+    def slow_after_the_first(columns):
+        if columns["x"][0] > 0:
+            time.sleep(0.8)
+        return columns
+
+    reader = RowGroupReader(tmp_path / "a.parquet", batch_size=10, shuffle=False, shuffle_buffer_row_groups=1,
+                            workers=1, transform=slow_after_the_first, transform_version="slow")
+    iterator = iter(reader)
+    assert next(iterator)["x"].tolist() == list(range(10))
+    closer = threading.Timer(0.2, reader.close)
+    closer.start()
+    with pytest.raises(ReaderClosedError, match=r"reader closed \(close\(\) from another thread\?\) while this "
+                                                r"iteration waited for a batch"):
+        next(iterator)  # the next row group is still in its transform
+    closer.join()
+    with pytest.raises(StopIteration):
+        next(iterator)

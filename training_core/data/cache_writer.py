@@ -84,6 +84,8 @@ class CacheWriter:
         with self._wake:
             self._closing = True
             self._wake.notify()
+        if self._thread is threading.current_thread():
+            return  # closed by a finalizer the GC ran on this thread: it stores what is queued, then ends
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.warning("%s still storing after %.0fs; it exits when the write returns", self._thread.name,

@@ -59,17 +59,23 @@ class EpochPipeline:
         self.thread.start()
 
     def get(self) -> Any:
-        while not self.ready:
+        while True:
+            try:
+                return self.ready.popleft()
+            except IndexError:  # empty (``close`` on another thread may empty it at any moment)
+                pass
             try:
                 item = self.batches.get(timeout=0.1)
             except queue.Empty:
+                if self.stop.is_set():
+                    raise ReaderClosedError("reader closed (close() from another thread?) while this iteration "
+                                            "waited for a batch") from None
                 if not self.thread.is_alive() and self.batches.empty():
                     raise RowGroupReadError("reader producer thread exited without a result") from None
                 continue
             if not isinstance(item, list):
                 return item  # _End or _Failure
             self.ready.extend(item)
-        return self.ready.popleft()
 
     def close(self) -> None:
         self.stop.set()
@@ -79,7 +85,8 @@ class EpochPipeline:
             except queue.Empty:
                 break
         self.ready.clear()
-        self.thread.join(timeout=5.0)
+        if self.thread is not threading.current_thread():  # the GC may run the finalizer on any thread
+            self.thread.join(timeout=5.0)
         self.pool.close(self.join_timeout_s)
         if self.writer is not None:
             # stores what is still queued, so the next reader finds it; the cache handle remembers the

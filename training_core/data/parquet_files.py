@@ -19,6 +19,9 @@ import pyarrow.compute  # noqa: F401 - imported up front: a lazy import (~0.3 s)
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from .footer_statistics import is_integer_list  # noqa: F401 - re-exported (the training data preflight uses it)
+from .footer_statistics import range_leaves, row_group_statistics, top_level_columns
+
 logger = logging.getLogger(__name__)
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
@@ -47,6 +50,9 @@ class ParquetFile:
     row_group_sizes: tuple[int, ...]
     # per row group: (column, min, max) of integer columns whose footer statistics give them
     value_ranges: tuple[tuple[tuple[str, int, int], ...], ...] = field(default=(), compare=False, repr=False)
+    # (column, leaf index, leaf path) of the columns whose ranges are read: the footer of the file
+    # actually decoded is asked again, since the file may have been rewritten since the listing
+    range_leaves: tuple[tuple[str, int, str], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def identity(self) -> str:
@@ -152,59 +158,8 @@ def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo) -> tuple[ParquetFile, 
     ranges, has_nulls, unproven = row_group_statistics(metadata, schema)
     mtime = info.mtime_ns if info.mtime is not None else None
     sizes = tuple(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
-    return ParquetFile(info.path, int(info.size or 0), mtime, sizes, ranges), schema, has_nulls, unproven
-
-
-def is_integer_list(kind: pa.DataType) -> bool:
-    """A list (plain, large or fixed-size) of integers: the form of a token column."""
-    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
-    return is_list and pa.types.is_integer(kind.value_type)
-
-
-def _is_integer_or_integer_list(kind: pa.DataType) -> bool:
-    return pa.types.is_integer(kind) or is_integer_list(kind)
-
-
-def row_group_statistics(
-    metadata: pq.FileMetaData, schema: pa.Schema
-) -> tuple[tuple[tuple[tuple[str, int, int], ...], ...], set[str], set[str]]:
-    """One pass over every row group's column statistics: the integer value ranges (below), the
-    columns that hold nulls somewhere in the file, and the optional columns with a chunk that has
-    no null count (some writers write no statistics: only decoding could tell).
-
-    Ranges: per row group, ``(column, min, max)`` for each integer (or list-of-integer) column whose chunk
-    statistics have a min and max. The cache narrows integers with these instead of scanning them.
-    Only what the Parquet reader itself trusts is used: it hides the min/max of writers known to
-    write wrong statistics (``has_min_max`` is then false). A column with more than one leaf is
-    skipped; a chunk without statistics is left out (the cache then scans that column).
-    Parquet integer statistics are exact bounds (only byte arrays may be truncated)."""
-    leaves: dict[str, int] = {}
-    for column in range(metadata.num_columns):
-        name = metadata.schema.column(column).path.split(".")[0]
-        leaves[name] = leaves.get(name, 0) + 1
-    wanted = {name for name, count in leaves.items()
-              if count == 1 and name in schema.names and _is_integer_or_integer_list(schema.field(name).type)}
-    ranges, has_nulls, unproven = [], set(), set()
-    optional = [metadata.schema.column(column).max_definition_level > 0 for column in range(metadata.num_columns)]
-    for index in range(metadata.num_row_groups):
-        row_group, found = metadata.row_group(index), []
-        for column in range(row_group.num_columns):
-            chunk = row_group.column(column)
-            stats = chunk.statistics
-            name = chunk.path_in_schema.split(".")[0]
-            if stats is None or not stats.has_null_count:
-                if optional[column]:
-                    unproven.add(name)
-                if stats is None:
-                    continue
-            elif stats.null_count > 0:
-                has_nulls.add(name)
-            if name in wanted and stats.has_min_max and chunk.physical_type in ("INT32", "INT64"):
-                low, high = stats.min, stats.max
-                if isinstance(low, int) and isinstance(high, int) and low <= high:
-                    found.append((name, low, high))
-        ranges.append(tuple(found))
-    return tuple(ranges), has_nulls, unproven - has_nulls
+    leaves = range_leaves(metadata, schema, top_level_columns(metadata, schema))
+    return ParquetFile(info.path, int(info.size or 0), mtime, sizes, ranges, leaves), schema, has_nulls, unproven
 
 
 def default_columns(schema: pa.Schema) -> list[str]:
@@ -313,6 +268,8 @@ class DatasetIndex:
     row_groups: tuple[RowGroupRef, ...]
     columns: tuple[str, ...]
     widen_columns: frozenset[str]  # numeric columns that hold (or may hold) nulls somewhere: always float
+    # column -> its Arrow type up to what batches cannot tell apart (see ``batch_type``)
+    column_types: dict[str, pa.DataType] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def row_group_sizes(self) -> np.ndarray:
@@ -321,6 +278,15 @@ class DatasetIndex:
     @property
     def num_rows(self) -> int:
         return sum(ref.num_rows for ref in self.row_groups)
+
+    def row_group_sizes_digest(self) -> int:
+        """Fingerprint of the row-group sizes, in order: what the sample order depends on besides the
+        order settings. Two datasets with one row count but other row groups give other orders.
+        An integer below 2**48, so that a reader state stays plain JSON numbers that any parser keeps exact."""
+        import hashlib
+
+        digest = hashlib.blake2b(self.row_group_sizes.astype("<i8").tobytes(), digest_size=6).digest()
+        return int.from_bytes(digest, "big")
 
     def digest(self) -> str:
         """Content-version digest from file identities (path, size, mtime) and row-group sizes."""
@@ -336,11 +302,55 @@ def _is_numeric(kind: pa.DataType) -> bool:
     return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
 
 
+def batch_type(kind: pa.DataType) -> pa.DataType:
+    """``kind`` up to differences that give the same batch column: dictionary encoding, large or
+    view string / binary / list variants, list field names and nullability, fixed-size lists."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    if pa.types.is_large_string(kind) or pa.types.is_string_view(kind):
+        return pa.string()
+    if pa.types.is_large_binary(kind) or pa.types.is_binary_view(kind):
+        return pa.binary()
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return pa.list_(batch_type(kind.value_type))
+    return kind
+
+
+def _check_same_types(
+    path: str, schema: pa.Schema, columns: Sequence[str], seen: dict[str, tuple[pa.DataType, str]]
+) -> None:
+    """Refuse a file whose column type differs from an earlier file's: batches of one column would
+    change dtype from window to window (int32 / int64 / float), or mix ints and strings in one array.
+    Only nullability and encodings that batches cannot tell apart may differ."""
+    for name in columns:
+        kind = schema.field(name).type
+        first = seen.setdefault(name, (kind, path))
+        if batch_type(kind) != batch_type(first[0]):
+            raise SourceError(
+                f"{path}: column {name!r} is {kind} here but {first[0]} in {first[1]}; every file must store a "
+                f"column with one type (rewrite one of them with the other's schema, or leave the column out)"
+            )
+
+
+def check_read_columns(ref: RowGroupRef, table: pa.Table, index: "DatasetIndex") -> None:
+    """The decoded row group has the listed columns with the listed types; a file rewritten since
+    the listing may have lost one (pyarrow then silently reads the columns it has)."""
+    missing = [name for name in index.columns if name not in table.column_names]
+    if missing:
+        raise RowGroupReadError(f"{ref.describe()}: no column(s) {missing} (it has {table.column_names}): was the "
+                                f"file rewritten after the reader listed it? Open a new reader")
+    for name, kind in index.column_types.items():
+        if batch_type(read := table.schema.field(name).type) != kind:
+            raise RowGroupReadError(f"{ref.describe()}: column {name!r} is {read}, listed as {kind}: was the file "
+                                    f"rewritten after the reader listed it? Open a new reader")
+
+
 def index_dataset(source: Any, columns: Sequence[str] | None = None, filesystem: Any | None = None) -> DatasetIndex:
     """List ``source`` and read every footer (call it under a timeout: storage may hang)."""
     fs, infos = list_parquet_files(source, filesystem)
     files, refs, widen = [], [], set()
     chosen: list[str] | None = list(columns) if columns is not None else None
+    types: dict[str, tuple[pa.DataType, str]] = {}  # column -> (type, first file with rows that has it)
     for info in infos:
         parquet_file, schema, has_nulls, unproven = read_footer(fs, info)
         if chosen is None:
@@ -348,6 +358,8 @@ def index_dataset(source: Any, columns: Sequence[str] | None = None, filesystem:
         missing = [name for name in chosen if name not in schema.names]
         if missing:
             raise SourceError(f"{info.path}: missing column(s) {missing}; it has {schema.names}")
+        if sum(parquet_file.row_group_sizes):  # an empty file is never read (pandas writes object columns as null)
+            _check_same_types(info.path, schema, chosen, types)
         widen |= {name for name in chosen if name in has_nulls and _is_numeric(schema.field(name).type)}
         # A column that may hold nulls widens too, so that its dtype is the same in every batch:
         # deciding per row group would give int batches before the first NULL and float after it.
@@ -358,4 +370,5 @@ def index_dataset(source: Any, columns: Sequence[str] | None = None, filesystem:
                            "non-nullable, to keep them integer", info.path, ", ".join(assumed))
         files.append(parquet_file)
         refs.extend(RowGroupRef(parquet_file, i, n) for i, n in enumerate(parquet_file.row_group_sizes) if n > 0)
-    return DatasetIndex(fs, tuple(files), tuple(refs), tuple(chosen or ()), frozenset(widen))
+    column_types = {name: batch_type(kind) for name, (kind, _) in types.items()}
+    return DatasetIndex(fs, tuple(files), tuple(refs), tuple(chosen or ()), frozenset(widen), column_types)

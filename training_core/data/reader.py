@@ -263,6 +263,7 @@ class RowGroupReader:
             "layout_world_size": int(p.layout_world_size), "layout_batch_size": int(p.layout_batch_size),
             "num_rows": int(self._index.num_rows), "seed": int(self.seed), "shuffle": bool(self.shuffle),
             "shuffle_buffer_row_groups": int(self.shuffle_buffer_row_groups), "drop_last": bool(self.drop_last),
+            "row_group_sizes_digest": self._index.row_group_sizes_digest(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -273,6 +274,13 @@ class RowGroupReader:
         if state["num_rows"] != self._index.num_rows:
             raise ReaderStateError(
                 f"state was saved for a dataset of {state['num_rows']} rows; this source has {self._index.num_rows}"
+            )
+        # optional: states saved before it was added still load (checked by row count only)
+        saved_sizes = state.get("row_group_sizes_digest")
+        if saved_sizes is not None and saved_sizes != (sizes := self._index.row_group_sizes_digest()):
+            raise ReaderStateError(
+                f"state was saved for a dataset with other row groups (row_group_sizes_digest {saved_sizes!r}; this "
+                f"source's is {sizes}): its order differs, so resuming would repeat some rows and skip others"
             )
         previous_order = {key: getattr(self, key) for key in _ORDER_KEYS}
         for key in _ORDER_KEYS:

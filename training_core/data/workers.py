@@ -18,12 +18,14 @@ import pyarrow as pa
 from .cache import BufferPool, CacheConfig, CacheWarmReport, RowGroupCache, cache_key, cache_version
 from .cache_payload import narrow_columns
 from .cache_writer import CacheWriter
+from .footer_statistics import current_value_ranges
 from .parquet_files import (
     DatasetIndex,
     ReadTimeoutError,
     RowGroupReadError,
     RowGroupRef,
     SourceError,
+    check_read_columns,
     index_dataset,
     read_row_group_table,
     table_to_numpy,
@@ -41,13 +43,24 @@ class ReaderClosedError(RuntimeError):
 
 
 class TransformError(RowGroupReadError):
-    """The user ``transform`` raised or returned columns of the wrong length."""
+    """The user ``transform`` raised, returned columns of the wrong length, or returned other
+    columns for one row group than for another."""
+
+
+_running = threading.local()  # .task: the Task this thread runs, so that its work can name its phase
+
+
+def note_phase(phase: str) -> None:
+    """Record what the task running on this thread is doing (named if it times out)."""
+    task = getattr(_running, "task", None)
+    if task is not None:
+        task.phase = phase
 
 
 class Task:
     """One unit of work and its outcome; waiting on it enforces the read timeout."""
 
-    __slots__ = ("fn", "args", "label", "done", "result", "error", "started_at")
+    __slots__ = ("fn", "args", "label", "done", "result", "error", "started_at", "phase")
 
     def __init__(self, fn: Callable[..., Any], args: tuple, label: str) -> None:
         self.fn, self.args, self.label = fn, args, label
@@ -55,14 +68,17 @@ class Task:
         self.result: Any = None
         self.error: BaseException | None = None
         self.started_at: float | None = None
+        self.phase = "read"
 
     def run(self) -> None:
         self.started_at = time.monotonic()
+        _running.task = self
         try:
             self.result = self.fn(*self.args)
         except BaseException as error:  # noqa: BLE001 - handed to the consumer
             self.error = error
         finally:
+            _running.task = None
             self.done.set()
 
     def cancel(self) -> None:
@@ -78,6 +94,12 @@ class Task:
             if stop.is_set():
                 raise ReaderClosedError(f"{self.label}: reader closed")
             if started is not None and time.monotonic() - started >= timeout_s:
+                if self.phase == "transform":  # the read is done: not the storage's fault
+                    raise TransformError(
+                        f"{self.label}: the transform has not returned read_timeout_s={timeout_s:g}s after the row "
+                        f"group's read started (the limit covers read and transform); raise read_timeout_s for a "
+                        f"transform this slow"
+                    )
                 raise ReadTimeoutError(
                     f"{self.label}: no result after read_timeout_s={timeout_s:g}s; the storage may be hanging"
                 )
@@ -123,6 +145,8 @@ class WorkerPool:
             self._queue.put(None)
         deadline = time.monotonic() + join_timeout_s
         for thread in self._threads:
+            if thread is threading.current_thread():
+                continue  # closed by a finalizer the GC ran on this thread: it ends after its task
             thread.join(max(deadline - time.monotonic(), 0.0))
             if thread.is_alive() and join_timeout_s > 0:
                 logger.warning("%s still blocked in storage after close; it exits when the read returns", thread.name)
@@ -168,6 +192,9 @@ class RowGroupLoader:
         self.index, self.cache, self.transform = index, cache, transform
         self.transform_version, self.read_timeout_s, self.max_attempts = transform_version, read_timeout_s, max_attempts
         self._local = threading.local()
+        # the columns of the first row group the transform returned, and which row group that was
+        self._transform_columns: tuple[frozenset[str], str] | None = None
+        self._transform_columns_lock = threading.Lock()
 
     def key(self, ref: RowGroupRef) -> str:
         widened = [name for name in self.index.columns if name in self.index.widen_columns]
@@ -187,6 +214,8 @@ class RowGroupLoader:
         if self.cache is not None:
             cached = self.cache.get_pooled(key, ref.describe(), buffers)
             if cached is not None:
+                if self.transform is not None:
+                    self._check_transform_columns(ref, cached[0])
                 return cached
         handles: dict = self._local.__dict__.setdefault("handles", {})
         while len(handles) >= _MAX_OPEN_FILES_PER_THREAD:
@@ -197,10 +226,14 @@ class RowGroupLoader:
         )
         if table.num_rows != ref.num_rows:
             raise RowGroupReadError(f"{ref.describe()}: footer says {ref.num_rows} rows, read {table.num_rows}")
+        check_read_columns(ref, table, self.index)
         arrays = table_to_numpy(table, self.index.widen_columns)
-        value_ranges = ref.value_ranges  # footer statistics: they describe the file's values, not a transform's
+        value_ranges = None  # footer statistics describe the file's values, not a transform's
         if self.transform is not None:
-            arrays, value_ranges = self._apply_transform(ref, arrays), None
+            arrays = self._apply_transform(ref, arrays)
+            self._check_transform_columns(ref, arrays)
+        elif self.cache is not None and (handle := handles.get(ref.file.path)) is not None:
+            value_ranges = current_value_ranges(handle.metadata, ref)
         logical = {name: value.dtype for name, value in arrays.items()}
         if self.cache is None:
             return arrays, logical, None
@@ -216,6 +249,7 @@ class RowGroupLoader:
         return columns, logical, None
 
     def _apply_transform(self, ref: RowGroupRef, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        note_phase("transform")
         try:
             result = self.transform(arrays)
         except Exception as error:
@@ -226,6 +260,20 @@ class RowGroupLoader:
         if bad:
             raise TransformError(f"{ref.describe()}: transform changed the row count ({bad}, expected {ref.num_rows})")
         return {name: np.asarray(value) for name, value in result.items()}
+
+    def _check_transform_columns(self, ref: RowGroupRef, arrays: dict[str, np.ndarray]) -> None:
+        """The transform must return the same columns for every row group (columns it adds are kept):
+        window assembly takes the first piece's, so a column missing from a later one failed as a bare
+        KeyError, and one added only to a later one was silently dropped."""
+        names = frozenset(arrays)
+        with self._transform_columns_lock:
+            if self._transform_columns is None:
+                self._transform_columns = (names, ref.describe())
+            expected, first = self._transform_columns
+        if names != expected:
+            raise TransformError(f"{ref.describe()}: columns {sorted(names)} differ from {first}'s {sorted(expected)} "
+                                 f"(missing {sorted(expected - names)}, extra {sorted(names - expected)}); a transform "
+                                 f"must return the same columns for every row group")
 
     def load_piece(
         self, ref: RowGroupRef, start: int, stop: int, writer: CacheWriter | None = None,
@@ -248,7 +296,8 @@ def _column_template(
 
 
 def _as_rows(piece: np.ndarray, dtype: np.dtype, target: np.ndarray) -> np.ndarray:
-    if target.dtype != object or piece.dtype == object:
+    # a 2-D object piece (a list-of-strings row group whose lists share one length) needs rows too
+    if target.dtype != object or (piece.dtype == object and piece.ndim == 1):
         return piece
     # Always a copy: the rows become views of it, and ``piece`` may live in a pooled cache-read
     # buffer that is released (and reused by the next hit) once the window is assembled.
