@@ -1,8 +1,13 @@
 """Jobs and schedules over the asset graph."""
 
+import os
+from pathlib import Path
+
 import dagster as dg
+import yaml
 
 from assets.partitions import DAILY
+from training_core.errors import ConfigError
 
 # The whole graph for one day: what `tessera demo`, a UI launch and the schedule materialize.
 demo_job = dg.define_asset_job(
@@ -12,10 +17,46 @@ demo_job = dg.define_asset_job(
     description="raw_examples → training_dataset → row_group_cache → lora_adapter → evaluation → promoted_model",
 )
 
+# The run config of scheduled runs: a YAML file shaped like the launchpad's (`ops: {raw_examples:
+# {config: {source: …}}, base_model: …, lora_adapter: …}`). Without it a scheduled run would use
+# the embedded defaults: the demo's generated data and demo base model.
+RUN_CONFIG_ENV = "TESSERA_RUN_CONFIG"
+
+
+def scheduled_run_config() -> dict:
+    """The run config named by TESSERA_RUN_CONFIG, read at each tick (edits apply to the next run);
+    {} (embedded defaults) when it is unset."""
+    path = os.environ.get(RUN_CONFIG_ENV, "").strip()
+    if not path:
+        return {}
+    try:
+        values = yaml.safe_load(Path(path).expanduser().read_text())
+    except OSError as error:
+        raise ConfigError(f"{RUN_CONFIG_ENV}={path}: cannot read it ({error.strerror or error})") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{RUN_CONFIG_ENV}={path}: not valid YAML ({error})") from None
+    if not isinstance(values, dict) or not set(values) <= {"ops", "resources", "execution", "loggers"}:
+        raise ConfigError(f"{RUN_CONFIG_ENV}={path}: expected Dagster run config, a mapping with 'ops' (and "
+                          f"optionally 'resources'), got {type(values).__name__ if not isinstance(values, dict) else sorted(values)}")
+    return values
+
+
 # Daily retraining on the day that just closed, at RETRAIN_HOUR:RETRAIN_MINUTE UTC (the partitions'
 # timezone). Unchanged inputs reuse the earlier training run instead of retraining.
 RETRAIN_HOUR, RETRAIN_MINUTE = 2, 0
-daily_retrain_schedule = dg.build_schedule_from_partitioned_job(
-    demo_job, name="daily_retrain", hour_of_day=RETRAIN_HOUR, minute_of_hour=RETRAIN_MINUTE,
-    description="retrain on yesterday's partition every day at 02:00 UTC",
+
+
+@dg.schedule(
+    job=demo_job, name="daily_retrain", cron_schedule=f"{RETRAIN_MINUTE} {RETRAIN_HOUR} * * *",
+    execution_timezone="UTC",
+    description=f"retrain on yesterday's partition every day at 02:00 UTC, with the run config in ${RUN_CONFIG_ENV} "
+                "(unset: the embedded demo defaults)",
 )
+def daily_retrain_schedule(context: dg.ScheduleEvaluationContext):
+    closed_days = DAILY.get_partition_keys(current_time=context.scheduled_execution_time)
+    if not closed_days:
+        return dg.SkipReason("no day has closed since the first partition")
+    day = closed_days[-1]
+    run_config = scheduled_run_config()  # a bad file fails the tick, naming it, before any run starts
+    tags = {"tessera/run_config": os.environ[RUN_CONFIG_ENV].strip()} if run_config else {}
+    return dg.RunRequest(run_key=day, partition_key=day, run_config=run_config, tags=tags)

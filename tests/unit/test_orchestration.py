@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -13,12 +14,46 @@ import pytest
 from pipelines.definitions import defs
 
 
-def test_daily_schedule_requests_yesterdays_partition():
+def _tick(when: datetime):
     schedule = defs.resolve_schedule_def("daily_retrain")
-    context = dg.build_schedule_context(scheduled_execution_time=datetime(2026, 11, 3, 2, 0, tzinfo=timezone.utc))
-    requests = schedule.evaluate_tick(context).run_requests
-    assert [r.partition_key for r in requests] == ["2026-11-02"]
-    assert schedule.job_name == "train_and_promote"
+    context = dg.build_schedule_context(scheduled_execution_time=when, repository_def=defs.get_repository_def())
+    return schedule.evaluate_tick(context)
+
+
+def test_daily_schedule_requests_yesterdays_partition(monkeypatch):
+    monkeypatch.delenv("TESSERA_RUN_CONFIG", raising=False)
+    (request,) = _tick(datetime(2026, 11, 3, 2, 0, tzinfo=timezone.utc)).run_requests
+    assert request.partition_key == "2026-11-02" and request.run_config == {}  # unset: the embedded demo defaults
+    assert defs.resolve_schedule_def("daily_retrain").job_name == "train_and_promote"
+    assert _tick(datetime(2026, 11, 1, 2, 0, tzinfo=timezone.utc)).skip_message == (
+        "no day has closed since the first partition")
+
+
+def test_scheduled_runs_take_the_operators_run_config_from_a_file(tmp_path, monkeypatch):
+    # Without it every scheduled day would train the demo base model on generated data.
+    run_config = tmp_path / "run_config.yaml"
+    run_config.write_text("ops:\n  raw_examples:\n    config:\n      source: /data/exports\n"
+                          "  base_model:\n    config:\n      name_or_path: /models/my-base\n")
+    monkeypatch.setenv("TESSERA_RUN_CONFIG", str(run_config))
+    (request,) = _tick(datetime(2026, 11, 3, 2, 0, tzinfo=timezone.utc)).run_requests
+    assert request.run_config["ops"]["raw_examples"]["config"]["source"] == "/data/exports"
+    assert request.run_config["ops"]["base_model"]["config"]["name_or_path"] == "/models/my-base"
+    assert request.tags["tessera/run_config"] == str(run_config)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, r"TESSERA_RUN_CONFIG=.*run_config.yaml: cannot read it"),
+    ("ops: [unclosed", r"run_config.yaml: not valid YAML"),
+    ("raw_examples:\n  source: x\n", r"expected Dagster run config, a mapping with 'ops'.*\['raw_examples'\]"),
+])
+def test_a_run_config_file_that_cannot_be_used_fails_the_tick_naming_it(tmp_path, monkeypatch, content, message):
+    run_config = tmp_path / "run_config.yaml"
+    if content is not None:
+        run_config.write_text(content)
+    monkeypatch.setenv("TESSERA_RUN_CONFIG", str(run_config))
+    with pytest.raises(dg.DagsterUserCodeExecutionError) as failed:  # the tick fails; the UI shows the cause
+        _tick(datetime(2026, 11, 3, 2, 0, tzinfo=timezone.utc))
+    assert re.search(message, str(failed.value.user_exception)), failed.value.user_exception
 
 
 def test_training_is_limited_by_a_concurrency_pool():
