@@ -2,7 +2,7 @@
 
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import dagster as dg
 from pydantic import Field
@@ -100,6 +100,10 @@ def training_dataset(
         records_path=raw_examples.path,
         extra_manifest={"raw_digest": raw_examples.digest, "tokenizer": base_model.digest},
     )
+    outcomes = run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records, raw_examples.path)
+    # Stored with the value: a consumer launched later on its own (row_group_cache, a training
+    # window that includes this day) is not stopped by blocking checks, so it reads them here.
+    dataset = replace(dataset, failed_checks=tuple(o.name for o in outcomes if not o.passed))
     yield dg.Output(
         dataset,
         metadata={
@@ -113,7 +117,17 @@ def training_dataset(
         },
         data_version=dg.DataVersion(dataset.digest),
     )
-    # Blocking: a failed check stops row_group_cache and training for this partition.
-    for outcome in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records, raw_examples.path):
+    # Blocking: a failed check stops row_group_cache and training for this partition in this run.
+    for outcome in outcomes:
         yield dg.AssetCheckResult(check_name=outcome.name, passed=outcome.passed,
                                   description=outcome.description, metadata=outcome.metadata)
+
+
+def refuse_days_that_failed_checks(failed: dict[str, tuple[str, ...]], consumer: str) -> None:
+    """Raise naming each day whose stored training_dataset failed a blocking check (see ``failed_checks``)."""
+    if failed:
+        days = "; ".join(f"{day} failed {', '.join(checks)}" for day, checks in sorted(failed.items()))
+        raise dg.Failure(
+            f"{consumer} refuses training_dataset partition(s) whose blocking checks failed: {days}. Fix that "
+            "day's source data and rematerialize training_dataset for it (its asset checks say what is wrong)"
+        )

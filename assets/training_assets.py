@@ -9,6 +9,7 @@ from dagster_ray import RayResource
 from pydantic import Field
 
 from assets.cache_assets import WarmCache
+from assets.data_assets import refuse_days_that_failed_checks
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
 from assets.run_identity import record_this_process
 from resources import MlflowTracker, RowGroupCache, TesseraStorage
@@ -94,6 +95,13 @@ def lora_adapter(
     tracker = mlflow_tracker.client()
     window = DatasetWindow.from_partitions(by_partition(training_dataset, context, "training_dataset"))
     caches: dict[str, WarmCache] = by_partition(row_group_cache, context, "row_group_cache")
+    refuse_days_that_failed_checks(window.failed_checks(), "lora_adapter")
+    if stale := window.stale_caches({day: warm.cache_version for day, warm in caches.items()}):
+        raise dg.Failure(
+            f"row_group_cache of {', '.join(stale)} was warmed for an earlier materialization of that day's "
+            f"training_dataset; rematerialize row_group_cache for {', '.join(stale)} (the run would otherwise "
+            "record a cache version no reproduction can rebuild)"
+        )
     context.log.info("training window: partitions %s", ", ".join(window.partition_keys))
     inputs = TrainingInputs(
         base_model=base_model.name_or_path,

@@ -44,6 +44,10 @@ def _materialize(home: Path, run_config: dict | None = None, partition_key: str 
         mp.undo()
 
 
+def _failure_message(result) -> str:
+    return next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE").step_failure_data.error.message
+
+
 def _materialization(result, key: str):
     return next(e.materialization for e in result.get_asset_materialization_events() if e.asset_key.path[-1] == key)
 
@@ -142,8 +146,7 @@ def test_failing_check_blocks_promotion_and_keeps_the_champion(demo_run):
     # Promoting that partition later, on its own (as from the UI), reads the failed gate off the stored evaluation.
     alone = _materialize(home, selection=["promoted_model"])
     assert not alone.success
-    failure = next(e for e in alone.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "failed not_worse_than_champion" in failure.step_failure_data.error.message
+    assert "failed not_worse_than_champion" in _failure_message(alone)
     champion_after = client.get_model_version_by_alias(REGISTERED_MODEL, CHAMPION_ALIAS)
     assert champion_after.version == champion_before.version
     assert champion_after.run_id == first.output_for_node("lora_adapter").mlflow_run_id
@@ -254,3 +257,25 @@ def test_reproduce_refuses_when_the_dataset_changed(demo_run):
     assert code == 2
     assert "content changed" in output and str(dataset)[:20] in output.replace("\n", "")
     assert "manifest.json (changed)" in output.replace("\n", "")  # from the digests kept at publication
+
+
+def test_a_day_whose_dataset_failed_its_checks_is_refused_by_consumers_launched_later(demo_run, tmp_path):
+    # After the tests that read the demo day's stored dataset: this replaces it with one failing a check.
+    from training_core.data.demo_task import generate_records
+
+    home, _ = demo_run
+    repeated = tmp_path / "repeated.jsonl"
+    records = generate_records("x", 200) + [generate_records("y", 1)[0]] * 300
+    repeated.write_text("".join(json.dumps(record) + "\n" for record in records))
+    bad_day = _materialize(home, {"ops": {"raw_examples": {"config": {"source": str(repeated)}}}},
+                           selection=["raw_examples", "training_dataset"])
+    assert {e.check_name: e.passed for e in bad_day.get_asset_check_evaluations()}["no_duplicate_rows"] is False
+    assert bad_day.output_for_node("training_dataset").failed_checks == ("no_duplicate_rows",)
+    # Blocking checks stop consumers only within that run: launched later on their own, they read the
+    # verdict stored with the dataset. The next day's training window holds the failed day.
+    cache = _materialize(home, selection=["row_group_cache"])
+    assert not cache.success and f"{DEMO_PARTITION} failed no_duplicate_rows" in _failure_message(cache)
+    next_day = _materialize(home, partition_key="2026-11-02", selection=["lora_adapter"])
+    assert not next_day.success
+    assert f"lora_adapter refuses training_dataset partition(s) whose blocking checks failed: {DEMO_PARTITION} " \
+           "failed no_duplicate_rows" in _failure_message(next_day)

@@ -331,3 +331,27 @@ def test_a_duplicate_rows_failure_names_the_repeated_source_records(tmp_path, de
                                       f"line 5 of {source}; line 62 of {source} repeats line 9 of {source}")
     without_records = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}
     assert "source records" not in without_records["no_duplicate_rows"].description
+
+
+def test_a_training_window_names_days_that_failed_checks_and_caches_warmed_for_another_dataset():
+    from dataclasses import replace
+
+    from training_core.data import cache_version
+    from training_core.data.batch_columns import TRAINING_COLUMNS
+    from training_core.data.dataset_writer import PublishedDataset
+    from training_core.data.window import DatasetWindow
+
+    def day(digest: str, failed_checks=()) -> PublishedDataset:
+        return PublishedDataset(f"/data/{digest}", digest, 10, 10, 2, 1, 1, 8, 80, failed_checks=failed_checks)
+
+    window = DatasetWindow.from_partitions({
+        "2026-11-01": day("a" * 64, ("no_duplicate_rows",)), "2026-11-02": day("b" * 64),
+        "2026-11-03": replace(day("c" * 64), failed_checks=None),  # stored before checks were recorded
+    })
+    assert window.failed_checks() == {"2026-11-01": ("no_duplicate_rows",)}
+    warmed = {key: cache_version(digest * 64, TRAINING_COLUMNS, "none")
+              for key, digest in (("2026-11-01", "a"), ("2026-11-02", "b"), ("2026-11-03", "c"))}
+    assert window.stale_caches(warmed) == []
+    # 11-02's cache was warmed before its dataset was rematerialized with other content
+    assert window.stale_caches({**warmed, "2026-11-02": cache_version("d" * 64, TRAINING_COLUMNS, "none")}) == [
+        "2026-11-02"]

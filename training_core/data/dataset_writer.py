@@ -56,6 +56,10 @@ class PublishedDataset:
     files: int
     seq_len: int
     tokens: int
+    # Names of the blocking quality checks this dataset failed: () when all passed, None when none
+    # were recorded with it (written outside Dagster, or stored before checks were recorded).
+    # Consumers launched on their own (a later day's training window) read it to refuse the day.
+    failed_checks: tuple[str, ...] | None = None
 
     @property
     def train_dir(self) -> Path:

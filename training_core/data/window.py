@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from training_core.data.batch_columns import TRAINING_COLUMNS, TRAINING_TRANSFORM_VERSION
+from training_core.data.cache import cache_version
 from training_core.data.dataset_writer import PublishedDataset, read_eval_records
 
 
@@ -45,6 +47,17 @@ class DatasetWindow:
 
     def eval_records(self) -> list[dict[str, str]]:
         return eval_records(self.paths)
+
+    def failed_checks(self) -> dict[str, tuple[str, ...]]:
+        """Days whose dataset failed a blocking quality check, with the checks' names."""
+        return {key: d.failed_checks for key, d in zip(self.partition_keys, self.datasets) if d.failed_checks}
+
+    def stale_caches(self, cache_versions: dict[str, str]) -> list[str]:
+        """Days whose warmed cache version is not the one of their current dataset: the cache was
+        warmed for an earlier materialization of that day (training would record a version that
+        no reproduction can rebuild)."""
+        return [key for key, d in zip(self.partition_keys, self.datasets)
+                if cache_versions.get(key) != cache_version(d.digest, TRAINING_COLUMNS, TRAINING_TRANSFORM_VERSION)]
 
 
 def eval_records(dataset_paths: list[str]) -> list[dict[str, str]]:
