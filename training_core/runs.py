@@ -161,6 +161,8 @@ def run_tracked_training(
         log.warning("MLflow run %s was left RUNNING by a process that is gone: marked KILLED", abandoned)
     run_id = tracking.start_run(name, tags={"method": config.method, **(extra_tags or {})})
     try:
+        tracking.log_lineage(run_id, lineage=lineage, config=config.model_dump(mode="json"),
+                             dataset_paths=inputs.dataset_paths)
         result = run_training(
             config,
             model_path=inputs.base_model,
@@ -171,9 +173,7 @@ def run_tracked_training(
             run_name=name,
             output_dir=models_dir,
         )
-        tracking.log_training(
-            run_id, lineage=lineage, config=config.model_dump(mode="json"), result=result, dataset_paths=inputs.dataset_paths
-        )
+        tracking.log_training(run_id, result=result)
     except BaseException:
         tracking.end_run(run_id, status="FAILED")
         raise

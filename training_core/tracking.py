@@ -55,7 +55,20 @@ class MlflowTracking:
             self.client.set_terminated(run_id, status="KILLED")
         return abandoned
 
-    def log_training(self, run_id: str, *, lineage: dict[str, str], config: dict, result, dataset_paths: list[str]) -> None:
+    def log_lineage(self, run_id: str, *, lineage: dict[str, str], config: dict, dataset_paths: list[str]) -> None:
+        """What the run is made of, logged before it trains: a run that fails or is killed still
+        says which data, config, seeds and code it ran with."""
+        self.log_batch(run_id, params=lineage)
+        for path in dataset_paths:
+            self._log_dataset_input(run_id, path, Path(path).name)
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            (folder / "training_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            (folder / "lineage.json").write_text(json.dumps(lineage, indent=2, sort_keys=True))
+            self.client.log_artifacts(run_id, str(folder))
+
+    def log_training(self, run_id: str, *, result) -> None:
+        """What the run produced: metrics, loss curve, plots, DeepSpeed config and the model."""
         from training_core.plots import plot_loss_curve, plot_step_time
 
         client = self.client
@@ -63,18 +76,13 @@ class MlflowTracking:
         summary = {**numeric, "restarts": result.restarts, "steps": result.steps}
         self.log_batch(
             run_id,
-            params=lineage,
             metrics=summary,
             series={"train_loss": result.loss_history},
             tags={"model_dir": result.model_dir},
         )
-        for path in dataset_paths:
-            self._log_dataset_input(run_id, path, Path(path).name)
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
-            (folder / "training_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
             (folder / "deepspeed_config.json").write_text(json.dumps(result.deepspeed_config, indent=2, sort_keys=True))
-            (folder / "lineage.json").write_text(json.dumps(lineage, indent=2, sort_keys=True))
             plot_loss_curve(result.loss_history, folder / "loss_curve.png")
             plot_step_time(result.telemetry, folder / "step_time.png")
             client.log_artifacts(run_id, str(folder))

@@ -106,3 +106,22 @@ def test_a_caller_that_just_checked_the_base_model_skips_hashing_it_again_but_no
     with pytest.raises(LineageError, match=r"training_dataset 2026-11-01 \(tokenized with base model 0123456789ab\)"):
         check_inputs_are_as_recorded(_inputs(base, [yesterday, today], ["2026-11-01", "2026-11-02"]),
                                      base_model_checked=True)
+
+
+def test_a_run_that_fails_still_records_its_lineage_and_config_in_mlflow(base, tmp_path):
+    from training_core.errors import ConfigError
+
+    datasets = [_dataset(base, tmp_path, "2026-11-01", base.digest)]
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    # Refused in the driver after the MLflow run started: no Ray needed to fail a run.
+    config = TrainingConfig(max_epochs=1, gradient_accumulation_steps=100_000)
+    with pytest.raises(ConfigError, match="not one optimizer step would run"):
+        run_tracked_training(config, _inputs(base, datasets, ["2026-11-01"]), tracking,
+                             ray_storage=str(tmp_path / "ray"), models_dir=tmp_path / "models",
+                             before_training=lambda: None)
+    (run,) = tracking.client.search_runs([tracking.experiment_id])
+    assert run.info.status == "FAILED"
+    assert {"seed", "data_seed", "dataset_digest", "cache_version", "config_digest", "code_version",
+            "version_torch"} <= set(run.data.params)
+    assert run.data.params["config_digest"] == config.digest()
+    assert {a.path for a in tracking.client.list_artifacts(run.info.run_id)} >= {"training_config.json", "lineage.json"}
