@@ -110,6 +110,8 @@ def lora_adapter(
         dataset_digest=window.digest,
         seq_len=window.seq_len,
         cache_directory=caches[window.partition_keys[-1]].directory,
+        cache_size_limit_bytes=cache.size_limit_bytes,  # read under the quota and policy it was warmed with
+        cache_policy=cache.policy,
         cache_version=window_digest([caches[k].cache_version for k in window.partition_keys]),
         partition_keys=window.partition_keys,
     )

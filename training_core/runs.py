@@ -36,6 +36,9 @@ class TrainingInputs:
     cache_directory: str | None
     cache_version: str
     partition_keys: list[str] = field(default_factory=list)
+    # How the cache was warmed (the cache resource's quota and policy); None: the training config's quota.
+    cache_size_limit_bytes: int | None = None
+    cache_policy: str = "evict"
 
 
 def check_inputs_are_as_recorded(inputs: TrainingInputs, base_digest_records: Path | None = None,
@@ -169,6 +172,8 @@ def run_tracked_training(
             train_dirs=[str(Path(p) / "train") for p in inputs.dataset_paths],
             seq_len=inputs.seq_len,
             cache_dir=inputs.cache_directory,
+            cache_size_limit_bytes=inputs.cache_size_limit_bytes,
+            cache_policy=inputs.cache_policy,
             storage_path=Path(ray_storage),
             run_name=name,
             output_dir=models_dir,

@@ -26,7 +26,8 @@ def packed(tmp_path: Path) -> SimpleNamespace:
     directory = tmp_path / "train"
     directory.mkdir()
     pq.write_table(pa.table({"input_ids": column, "labels": column}), directory / "part-0.parquet", row_group_size=16)
-    return SimpleNamespace(train_dirs=[str(directory)], cache_dir=str(tmp_path / "cache"))
+    return SimpleNamespace(train_dirs=[str(directory)], cache_dir=str(tmp_path / "cache"), cache_size_limit_bytes=None,
+                           cache_policy="evict")
 
 
 def _config(**overrides) -> TrainingConfig:
@@ -105,3 +106,31 @@ def test_the_dataset_is_listed_once_for_all_epochs(packed, monkeypatch):
     batches.close()
     assert count == 3 * (ROWS // config.num_workers // config.micro_batch_size)
     assert len(calls) == 1, "listing and footers are read again at every epoch"
+
+
+def test_training_reads_the_cache_under_the_quota_and_policy_it_was_warmed_with(packed):
+    # Warmed by row_group_cache under the resource's quota with stop_admitting: training must not
+    # grow the cache past that quota (nor, with evict, push out what warming kept).
+    from training_core.data import warm_cache
+    from training_core.data.cache import RowGroupCache
+
+    row_groups = ROWS // 16
+    for quota in range(100_000, 400_000, 25_000):  # the smallest that holds some row groups, not all
+        warmed = CacheConfig(Path(packed.cache_dir) / str(quota), quota, policy="stop_admitting")
+        before = warm_cache(packed.train_dirs[0], warmed, columns=TRAINING_COLUMNS)  # SQLite pages count too
+        if before.entries:
+            break
+    assert 0 < before.entries < row_groups
+    packed.cache_dir = str(warmed.directory)
+    inputs = SimpleNamespace(**{**vars(packed), "cache_size_limit_bytes": quota, "cache_policy": "stop_admitting"})
+    config = _config(max_epochs=1)
+    batches = EpochBatches(inputs, config, 0, 1, 0, None)
+    while batches.next() is not None:
+        pass
+    batches.close()
+    assert batches.stats()["cache_evictions"] == 0
+    cache = RowGroupCache(warmed)
+    try:
+        assert len(cache) == before.entries and cache.volume() <= quota
+    finally:
+        cache.close()

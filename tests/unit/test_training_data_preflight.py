@@ -72,7 +72,8 @@ def test_a_missing_column_and_too_few_rows_are_refused(tmp_path):
 def test_ragged_rows_stop_training_naming_the_column(tmp_path):
     ragged = pa.array([[1] * SEQ, [1] * (SEQ - 3)] * 8, pa.list_(pa.int32()))
     _write(tmp_path / "d", "part-0.parquet", input_ids=ragged, labels=ragged)
-    inputs = SimpleNamespace(train_dirs=[str(tmp_path / "d")], cache_dir=None)
+    inputs = SimpleNamespace(train_dirs=[str(tmp_path / "d")], cache_dir=None, cache_size_limit_bytes=None,
+                             cache_policy="evict")
     config = TrainingConfig(num_workers=1, micro_batch_size=4, max_steps=10)
     batches = EpochBatches(inputs, config, rank=0, world_size=1, epoch=0, state=None)
     try:

@@ -34,9 +34,8 @@ class EpochBatches:
 
     def _open(self, epoch: int) -> RowGroupReader:
         inputs, config = self._inputs, self._config
-        cache = (
-            CacheConfig(Path(inputs.cache_dir), config.cache_size_limit_bytes) if inputs.cache_dir else None
-        )
+        quota = inputs.cache_size_limit_bytes or config.cache_size_limit_bytes
+        cache = CacheConfig(Path(inputs.cache_dir), quota, policy=inputs.cache_policy) if inputs.cache_dir else None
         return RowGroupReader(
             list(inputs.train_dirs),
             columns=TRAINING_COLUMNS,

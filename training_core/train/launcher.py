@@ -96,8 +96,12 @@ def run_training(
     run_name: str,
     output_dir: Path,
     max_failures: int = 2,
+    cache_size_limit_bytes: int | None = None,
+    cache_policy: str = "evict",
 ) -> TrainingResult:
-    """Train on Ray; reruns with the same `run_name` and storage resume from the last checkpoint."""
+    """Train on Ray; reruns with the same `run_name` and storage resume from the last checkpoint.
+    ``cache_size_limit_bytes`` / ``cache_policy``: those the cache in ``cache_dir`` was warmed with
+    (default: the config's cache_size_limit_bytes, evict)."""
     import ray.train
     from ray.train.torch import TorchConfig
 
@@ -117,6 +121,8 @@ def run_training(
         model_path=model_path,
         train_dirs=list(train_dirs),
         cache_dir=cache_dir,
+        cache_size_limit_bytes=cache_size_limit_bytes,
+        cache_policy=cache_policy,
         seq_len=seq_len,
         fault_step=fault_step,
         fault_marker=str(storage_path / run_name / "fault-injected") if fault_step else None,

@@ -66,6 +66,10 @@ class WorkerInputs:
     fault_marker: str | None = None  # file that records the fault already happened
     run_directory: str | None = None  # this run's Ray Train storage folder, when local
     launched_at: float | None = None  # driver's time.time() at launch, for the start-up split
+    # The quota and policy the cache was warmed under (None: the config's cache_size_limit_bytes):
+    # reading with another would evict what warming kept.
+    cache_size_limit_bytes: int | None = None
+    cache_policy: str = "evict"
 
     def as_dict(self) -> dict:
         return asdict(self)
