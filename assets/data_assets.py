@@ -12,7 +12,7 @@ from resources import TesseraStorage
 from training_core.base_model import BaseModelRef, load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, PublishedDataset, write_dataset
 from training_core.data.demo_task import generate_records
-from training_core.data.quality import DATASET_CHECK_NAMES, run_dataset_checks
+from training_core.data.quality import DATASET_CHECK_NAMES, MAX_REPEATED_RECORDS, run_dataset_checks
 from training_core.data.sources import ORIGINS_FILE, read_records, read_records_with_origins
 from training_core.errors import EmptyPartitionError
 from training_core.storage import directory_digest, publish_directory, staging_directory
@@ -71,6 +71,11 @@ class TrainingDatasetConfig(dg.Config):
     rows_per_file: int = Field(1024, gt=0, description="rows per Parquet file")
     eval_fraction: float = Field(0.05, gt=0.0, lt=1.0, description="share of prompts held out for evaluation")
     max_eval_examples: int = Field(200, gt=0)
+    max_repeated_records: float = Field(
+        MAX_REPEATED_RECORDS, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="no_duplicate_rows fails when more than this share of the day's records repeat an earlier "
+        "one (a file exported twice repeats half)",
+    )
 
 
 @dg.asset(
@@ -89,7 +94,7 @@ def training_dataset(
     """Tokenized (base model's tokenizer), packed Parquet plus a held-out eval split, published
     atomically under datasets/training/<day>/<digest>. The content digest is the data version."""
     records = read_records(raw_examples.path)
-    spec = DatasetSpec(**config.model_dump())
+    spec = DatasetSpec(**config.model_dump(exclude={"max_repeated_records"}))
     tokenizer = load_tokenizer(base_model.name_or_path)
     dataset: PublishedDataset = write_dataset(
         records,
@@ -100,7 +105,8 @@ def training_dataset(
         records_path=raw_examples.path,
         extra_manifest={"raw_digest": raw_examples.digest, "tokenizer": base_model.digest},
     )
-    outcomes = run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records, raw_examples.path)
+    outcomes = run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records, raw_examples.path,
+                                  config.max_repeated_records)
     # Stored with the value: a consumer launched later on its own (row_group_cache, a training
     # window that includes this day) is not stopped by blocking checks, so it reads them here.
     dataset = replace(dataset, failed_checks=tuple(o.name for o in outcomes if not o.passed))

@@ -333,6 +333,28 @@ def test_a_duplicate_rows_failure_names_the_repeated_source_records(tmp_path, de
     assert "source records" not in without_records["no_duplicate_rows"].description
 
 
+def test_a_source_exported_twice_fails_the_duplicate_check_even_when_packing_yields_distinct_rows(tmp_path, demo_model):
+    # Rows of 64 tokens hold several records each: the second copy of the export packs into other
+    # combinations, so no packed row repeats, yet every record does.
+    from training_core.data.quality import run_dataset_checks
+
+    distinct = list({(r["prompt"], r["response"]): r for r in generate_records("2026-11-03", 300)}.values())[:200]
+    tokenizer = load_tokenizer(demo_model.name_or_path)
+    twice = [*distinct, *distinct[3:], *distinct[:3]]
+    dataset = write_dataset(twice, tokenizer, tmp_path / "out", DatasetSpec(seq_len=64, row_group_rows=32),
+                            source_label="t")
+    check = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, twice)}["no_duplicate_rows"]
+    assert check.metadata["duplicate_rows"] == 0
+    assert not check.passed and check.metadata["duplicate_records"] == 200
+    assert "200 source records (50.0%, more than the 5% allowed) repeat an earlier one" in check.description
+    # natural repeats below the limit pass, and are counted
+    few = [*distinct, *distinct[:5]]
+    dataset = write_dataset(few, tokenizer, tmp_path / "few", DatasetSpec(seq_len=64, row_group_rows=32),
+                            source_label="t")
+    check = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, few)}["no_duplicate_rows"]
+    assert check.passed and check.metadata["duplicate_records"] == 5
+
+
 def test_a_training_window_names_days_that_failed_checks_and_caches_warmed_for_another_dataset():
     from dataclasses import replace
 
