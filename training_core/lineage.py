@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -13,8 +14,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def code_version(repo_root: Path = REPO_ROOT) -> str:
-    """`git sha`, plus `-dirty-<hash of the diff>` with uncommitted changes (so two different dirty
-    trees never look alike), or the installed package version outside a git checkout."""
+    """`git sha`, plus `-dirty-<hash>` with uncommitted changes: the diff and the files git does not
+    track yet (a new module never `git add`ed is code too), so two different dirty trees never look
+    alike; or the installed package version outside a git checkout."""
     try:
         sha = subprocess.run(
             ["git", "-C", str(repo_root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
@@ -22,9 +24,36 @@ def code_version(repo_root: Path = REPO_ROOT) -> str:
         diff = subprocess.run(
             ["git", "-C", str(repo_root), "diff", "HEAD"], capture_output=True, check=True, timeout=30
         ).stdout
-        return f"{sha}-dirty-{hashlib.sha256(diff).hexdigest()[:12]}" if diff.strip() else sha
+        untracked = subprocess.run(  # ignored files (.venv, .tessera/, caches) are not code: left out
+            ["git", "-C", str(repo_root), "ls-files", "-z", "--others", "--exclude-standard"],
+            capture_output=True, check=True, timeout=30,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return f"tessera=={importlib.metadata.version('tessera')}"
+    if not diff.strip() and not untracked:
+        return sha
+    dirty = hashlib.sha256(diff)  # with no untracked files, the hash a diff alone always had
+    for name in sorted(name for name in untracked.split(b"\0") if name):  # sorted: git's order is not promised
+        dirty.update(b"\0untracked\0" + name + b"\0" + _file_digest(repo_root / os.fsdecode(name)))
+    return f"{sha}-dirty-{dirty.hexdigest()[:12]}"
+
+
+_LARGEST_HASHED_FILE = 8 * 2**20  # larger untracked files (data someone left in the checkout): size + mtime
+
+
+def _file_digest(path: Path) -> bytes:
+    """SHA-256 of a file's bytes (of its target's name for a symlink, as git records it; of its size
+    and mtime when larger than any source file, so a launch never reads gigabytes); a file removed
+    or unreadable since it was listed gets a fixed marker rather than failing the launch."""
+    try:
+        if path.is_symlink():
+            return hashlib.sha256(os.fsencode(os.readlink(path))).digest()
+        if (stat := path.stat()).st_size > _LARGEST_HASHED_FILE:
+            return hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}".encode()).digest()
+        with path.open("rb") as file:
+            return hashlib.file_digest(file, "sha256").digest()
+    except OSError:
+        return b"unreadable"
 
 
 def package_versions() -> dict[str, str]:
