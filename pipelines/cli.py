@@ -6,13 +6,16 @@ import json
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pipelines.instance import LAUNCHER_TAG, AbandonedRunWatch, fail_abandoned_runs, prepare_home, resolve_home
+from pipelines.instance import (
+    LAUNCHER_TAG, AbandonedRunWatch, fail_abandoned_runs, load_instance, prepare_home, resolve_home,
+)
 from training_core.process_identity import this_process
 
 console = Console()
@@ -25,14 +28,12 @@ def demo(args: argparse.Namespace) -> int:
             print(f"tessera demo: --json {args.json}: needs a file path in an existing folder", file=sys.stderr)
             return 2
     root = prepare_home(args.home)
-    import dagster as dg
-
     from assets.partitions import DEMO_PARTITION
     from pipelines.definitions import defs
 
     console.rule(f"[bold]Tessera demo[/] — partition {DEMO_PARTITION}, state in {root}")
     job = defs.resolve_job_def("train_and_promote")
-    instance = dg.DagsterInstance.get()
+    instance = load_instance()  # a damaged dagster.yaml is named, not a YAML traceback
     def freed(run_id: str) -> None:
         console.print(f"run {run_id} was abandoned by a killed process: marked failed, its pool slot freed")
 
@@ -132,9 +133,22 @@ def reproduce(args: argparse.Namespace) -> int:
         raise ConfigError(f"state folder {root} is not usable: it {reason}; pass --home (or TESSERA_HOME) of the "
                           "state folder that recorded the run")
     os.environ["TESSERA_HOME"] = str(root)
-    from pipelines.reproduce import reproduce_run
+    from pydantic import ValidationError
 
-    return reproduce_run(args.run_id, console)
+    from training_core.errors import TesseraError
+
+    try:
+        from pipelines.reproduce import reproduce_run
+
+        return reproduce_run(args.run_id, console)
+    except (TesseraError, ValidationError):
+        raise  # main prints these as one line, exit 2
+    except Exception as error:  # noqa: BLE001 - exit 1 means "metrics differ": a crash must never read as that
+        traceback.print_exc()  # unexpected: the traceback is for a bug report; the last line is for the user
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        print(f"tessera reproduce: could not reproduce run {args.run_id}: {type(error).__name__}"
+              f"{': ' + reason if reason else ''}", file=sys.stderr)
+        return 2
 
 
 def free_slots(args: argparse.Namespace) -> int:
@@ -146,9 +160,7 @@ def free_slots(args: argparse.Namespace) -> int:
     if not (root / "dagster").is_dir():
         raise ConfigError(f"state folder {root} has no Dagster instance (no {root / 'dagster'}); pass --home")
     prepare_home(str(root))
-    import dagster as dg
-
-    freed = fail_abandoned_runs(dg.DagsterInstance.get())
+    freed = fail_abandoned_runs(load_instance())
     for run_id in freed:
         console.print(f"run {run_id} was abandoned by a killed process: marked failed, its pool slot freed")
     console.print(f"{len(freed)} abandoned run(s) in {root}")

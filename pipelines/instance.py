@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from assets.run_identity import LAUNCHER_TAG  # re-exported: `tessera demo` sets it on its runs
-from training_core.errors import ConfigError
+from training_core.errors import ConfigError, TesseraError
 
 log = logging.getLogger(__name__)
 
@@ -97,5 +97,35 @@ class AbandonedRunWatch:
                 log.warning("checking for abandoned runs failed (%s: %s); trying again", type(error).__name__, error)
 
 
+def load_instance():
+    """The Dagster instance of the prepared state folder ($DAGSTER_HOME). A damaged dagster.yaml is
+    named in one line: Dagster fails on it with a YAML, config or even a TypeError traceback."""
+    import dagster as dg
+    import yaml
+
+    settings = Path(os.environ["DAGSTER_HOME"]) / "dagster.yaml"
+    try:
+        return dg.DagsterInstance.get()
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"{settings}: not valid YAML{where} ({problem}); fix it, or delete it and "
+                          "tessera writes its default") from error
+    except dg.DagsterInvalidConfigError as error:
+        reason = "; ".join(" ".join(e.message.split()) for e in error.errors)
+        raise ConfigError(f"{settings}: not a valid Dagster instance config ({reason}); fix it, or delete it "
+                          "and tessera writes its default") from error
+    except Exception as error:  # noqa: BLE001 - Dagster fails on some bad values with a bare TypeError
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ConfigError(f"cannot load the Dagster instance in {settings.parent}: {type(error).__name__}"
+                          f"{': ' + reason if reason else ''}; check {settings}, or delete it and tessera "
+                          "writes its default") from error
+
+
 if __name__ == "__main__":
-    print(prepare_home(sys.argv[1] if len(sys.argv) > 1 else None))
+    try:
+        print(prepare_home(sys.argv[1] if len(sys.argv) > 1 else None))
+    except TesseraError as error:  # a file where the folder should be, no permission: one line, not a traceback
+        print(f"python -m pipelines.instance: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -13,7 +13,7 @@ from pipelines.resources_local import RAY_ADDRESS_ENV, local_resources
 from resources import ExternalRayCluster
 from resources.ray_cluster import RayClusterUnreachable, gpu_available_in_cluster, wait_until_reachable
 from training_core.data.window import eval_records
-from training_core.errors import ConfigError, LineageError
+from training_core.errors import ConfigError, LineageError, TesseraError
 from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
 from training_core.reproduce import compare_runs, lineage_drift, load_recorded_run
 from training_core.runs import run_tracked_training
@@ -28,7 +28,16 @@ def reproduce_run(run_id: str, console: Console) -> int:
         console.print(f"[red]cannot reproduce:[/] no MLflow store at {escape(str(store))}; pass --home "
                       f"(or TESSERA_HOME) of the state folder that recorded run {escape(run_id)}")
         return 2
-    tracking = tracker.client()
+    try:
+        tracking = tracker.client()
+    except TesseraError:
+        raise  # already one line naming the setting or folder at fault
+    except Exception as error:  # noqa: BLE001 - SQLAlchemy/driver errors of a damaged or locked store
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        console.print(f"[red]cannot reproduce:[/] cannot open the MLflow tracking store "
+                      f"{escape(tracker.tracking_uri or str(store))}: {escape(reason)} (is it damaged, not an "
+                      f"MLflow store, or locked by another process?)")
+        return 2
     try:
         recorded = load_recorded_run(tracking, run_id, str(cache.config().directory), storage.base_model_digests)
     except LineageError as error:

@@ -22,8 +22,10 @@ class MlflowTracker(dg.ConfigurableResource):
         uri = self.tracking_uri or f"sqlite:///{self.storage.root / 'mlflow.db'}"
         if self.tracking_uri:
             check_tracking_uri(self.tracking_uri)
-        self.storage.root.mkdir(parents=True, exist_ok=True)
-        return MlflowTracking(uri, self.storage.folder("mlartifacts"), self.experiment)
+        # Creates the state root too (SQLite needs its folder): a file in the way is a ConfigError,
+        # as for every other resource, not a raw FileExistsError.
+        artifacts = self.storage.folder("mlartifacts")
+        return MlflowTracking(uri, artifacts, self.experiment)
 
 
 # Stores MLflow 3 serves runs and the model registry from (its file store is retired).
@@ -44,11 +46,27 @@ def check_tracking_uri(uri: str) -> None:
     if scheme in ("http", "https"):
         _check_server_listens(uri, scheme)
     if scheme == "sqlite":
-        from pathlib import Path
+        _check_sqlite_uri(uri, urlparse(uri).scheme)
 
-        database = Path(uri.split(":///", 1)[-1]) if ":///" in uri else None
-        if database is not None and str(database) != ":memory:" and not database.parent.is_dir():
-            raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: folder {database.parent} does not exist")
+
+def _check_sqlite_uri(uri: str, scheme: str) -> None:
+    """Only `sqlite:///<file path>` names a database file: `sqlite://` is an in-memory database
+    (every run gone when the process ends) and `sqlite:/path` is no URL SQLAlchemy can parse."""
+    from pathlib import Path
+
+    from training_core.errors import ConfigError
+
+    prefix = f"{scheme}:///"
+    database = uri.removeprefix(prefix) if uri.startswith(prefix) else ""
+    if not database.split("?", 1)[0]:
+        problem = ("names no database file, so SQLite would keep every run in memory and lose them when the "
+                   "process ends" if uri.startswith(prefix) or uri.rstrip("/") == f"{scheme}:"
+                   else "is not a SQLite URL MLflow can open")
+        raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: {problem}; use sqlite:///<file path> "
+                          "(sqlite:////data/mlflow.db for /data/mlflow.db)")
+    path = Path(database)
+    if str(path) != ":memory:" and not path.parent.is_dir():
+        raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: folder {path.parent} does not exist")
 
 
 SERVER_CONNECT_TIMEOUT_S = 30.0  # rides out a server restart; a wrong URI fails in 30 s, not ~4 min

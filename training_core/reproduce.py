@@ -115,6 +115,10 @@ def _finished_run(tracking: MlflowTracking, run_id: str):
         raise _unreadable_store(tracking, run_id, error.message) from error
     except Exception as error:  # a store MLflow does not wrap (network, driver): still not "not found"
         raise _unreadable_store(tracking, run_id, str(error)) from error
+    if run.info.lifecycle_stage == "deleted":  # in the trash: `mlflow gc` may purge it and its artifacts any time
+        raise LineageError(
+            f"MLflow run {run_id} is deleted; restore it first with "
+            f"`MLFLOW_TRACKING_URI={tracking.tracking_uri} mlflow runs restore --run-id {run_id}`")
     status = run.info.status
     if status in ("RUNNING", "SCHEDULED"):
         raise LineageError(

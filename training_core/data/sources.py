@@ -116,7 +116,11 @@ def _read_json_array(path: Path, text: str) -> Iterator[tuple[dict[str, str], in
 
 
 def _read_csv(path: Path) -> Iterator[tuple[dict[str, str], int]]:
-    reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True)
+    text = _read_text(path)
+    # csv's default limit (131,072 characters a field) would call a long but valid record malformed;
+    # no field is longer than its file, and a record too long to train on is named where it is packed.
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     try:
         header = next(reader, [])
     except csv.Error as error:

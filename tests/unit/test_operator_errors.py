@@ -1,0 +1,232 @@
+"""What an operator sees when the state around a run is wrong: one line naming the thing at fault
+and the documented exit code, never a traceback or a silently wrong result. Covers the code
+version of a tree with files git does not track yet, a damaged MLflow store and unexpected errors
+under `tessera reproduce` (exit 1 is "metrics differ", so neither may exit 1), SQLite tracking URIs
+that would lose every run, a deleted MLflow run given to reproduce, a state folder that is a file
+(`python -m pipelines.instance`, the MLflow resource), a damaged dagster.yaml under
+`tessera free-slots`, and a CSV field longer than the csv module's default limit.
+
+Real components throughout: git in a temporary repository, a SQLite MLflow store, the `mlflow`
+CLI, Dagster's instance loading and the demo tokenizer."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from training_core.errors import ConfigError, LineageError, SourceDataError
+
+RUN_ID = "0123456789abcdef0123456789abcdef"
+
+
+def _one_line(text: str) -> str:
+    """Rich wraps console output at the terminal width; the message is one line before that."""
+    return " ".join(text.split())
+
+
+# --- code version -----------------------------------------------------------------------------
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def test_code_version_counts_files_git_does_not_track_yet_and_leaves_ignored_ones_out(tmp_path):
+    from training_core.lineage import code_version
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "train.py").write_text("x = 1\n")
+    (repo / ".gitignore").write_text("state/\n")
+    _git(repo, "add", "train.py", ".gitignore")
+    _git(repo, "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-qm", "init")
+    sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+
+    (repo / "state").mkdir()  # ignored (as .tessera/ and .venv are): not code
+    (repo / "state" / "run.log").write_text("anything")
+    assert code_version(repo) == sha
+
+    # A new module never `git add`ed: a run with other code must not look like the committed one.
+    (repo / "scale.py").write_text("LEARNING_RATE_SCALE = 1.0\n")
+    first = code_version(repo)
+    assert first.startswith(f"{sha}-dirty-")
+    (repo / "scale.py").write_text("LEARNING_RATE_SCALE = 10.0\n")
+    second = code_version(repo)
+    assert second.startswith(f"{sha}-dirty-") and second != first
+    assert code_version(repo) == second  # deterministic: a relaunch of the same tree reuses its run
+
+    (repo / "scale.py").unlink()
+    assert code_version(repo) == sha
+
+
+# --- tessera reproduce: exit 2 when it cannot reproduce, whatever the cause ---------------------
+
+
+def test_reproduce_with_a_damaged_mlflow_store_names_the_store_and_exits_2(tmp_path, monkeypatch, capsys):
+    from pipelines.cli import main
+
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))  # restored after the test: the command sets it
+    (tmp_path / "mlflow.db").write_text("junk\n")
+    assert main(["reproduce", RUN_ID, "--home", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert (f"cannot reproduce: cannot open the MLflow tracking store {tmp_path / 'mlflow.db'}: "
+            "(sqlite3.DatabaseError) file is not a database") in _one_line(captured.out)
+    assert "Traceback" not in captured.out + captured.err
+
+
+def test_an_unexpected_error_in_reproduce_exits_2_not_1_which_means_metrics_differ(tmp_path, monkeypatch, capsys):
+    import pipelines.reproduce
+    from pipelines.cli import main
+
+    def fails_unexpectedly(run_id, console):
+        raise RuntimeError("worker group lost\nsecond line of detail")
+
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))
+    monkeypatch.setattr(pipelines.reproduce, "reproduce_run", fails_unexpectedly)
+    assert main(["reproduce", RUN_ID, "--home", str(tmp_path)]) == 2
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last_line == f"tessera reproduce: could not reproduce run {RUN_ID}: RuntimeError: worker group lost"
+
+
+def test_reproduce_refuses_a_deleted_run_and_says_how_to_restore_it(tmp_path):
+    from training_core.reproduce import load_recorded_run
+    from training_core.tracking import MlflowTracking
+
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    run_id = tracking.start_run("train-test", tags={})
+    tracking.end_run(run_id, status="FINISHED")
+    tracking.client.delete_run(run_id)
+
+    with pytest.raises(LineageError) as refused:
+        load_recorded_run(tracking, run_id, cache_directory=None)
+    message = str(refused.value)
+    assert message.startswith(f"MLflow run {run_id} is deleted; restore it first with `")
+
+    # The command it names restores the run: reproduce then goes on (to refuse this bare run for
+    # the lineage it lacks).
+    command = message.split("`")[1]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run(["bash", "-c", command], check=True, capture_output=True, env=env, timeout=120)
+    assert tracking.client.get_run(run_id).info.lifecycle_stage == "active"
+    with pytest.raises(LineageError, match=f"run {run_id} lacks lineage params"):
+        load_recorded_run(tracking, run_id, cache_directory=None)
+
+
+# --- MLflow tracking URI and store folder -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("uri", "problem"), [
+    ("sqlite://", "names no database file, so SQLite would keep every run in memory"),
+    ("sqlite:///", "names no database file, so SQLite would keep every run in memory"),
+    ("sqlite:/data/mlflow.db", "is not a SQLite URL MLflow can open"),
+])
+def test_sqlite_tracking_uris_that_name_no_file_are_refused(tmp_path, uri, problem):
+    from resources import MlflowTracker, TesseraStorage
+
+    tracker = MlflowTracker(storage=TesseraStorage(home=str(tmp_path)), tracking_uri=uri)
+    with pytest.raises(ConfigError, match=re.escape(f"mlflow_tracker.tracking_uri {uri!r}: {problem}") +
+                       r".*; use sqlite:///<file path>"):
+        tracker.client()
+    assert not (tmp_path / "mlartifacts").exists()  # refused before anything was created
+
+
+def test_mlflow_tracker_with_a_state_folder_that_is_a_file_gives_the_storage_config_error(tmp_path, monkeypatch):
+    from pipelines.resources_local import local_resources
+
+    blocker = tmp_path / "home"
+    blocker.write_text("")
+    monkeypatch.setenv("TESSERA_HOME", str(blocker))
+    with pytest.raises(ConfigError, match=re.escape(f"state folder {blocker} (storage.home / TESSERA_HOME) "
+                                                    f"is not usable: cannot create {blocker / 'mlartifacts'}")):
+        local_resources()["mlflow_tracker"].client()
+
+
+# --- the Dagster instance -----------------------------------------------------------------------
+
+
+def test_preparing_an_instance_in_a_file_prints_one_line_and_exits_2(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    done = subprocess.run([sys.executable, "-m", "pipelines.instance", str(blocker)], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 2
+    assert done.stderr.strip() == (f"python -m pipelines.instance: state folder {blocker} is not usable: "
+                                   "Not a directory")
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ("concurrency: [oops\n", "{file}: not valid YAML at line 2, column 1 (expected ',' or ']'"),
+    ("telemetry:\n  enabled: nope\n", "{file}: not a valid Dagster instance config (Invalid scalar at path "
+                                      "root:telemetry:enabled."),
+    ("concurrency: 5\n", "cannot load the Dagster instance in {folder}: TypeError: "),  # Dagster's bare TypeError
+])
+def test_free_slots_with_a_damaged_dagster_yaml_names_the_file_in_one_line(tmp_path, monkeypatch, capsys,
+                                                                          settings, message):
+    from pipelines.cli import main
+
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))  # the command exports both
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    settings_file = tmp_path / "dagster" / "dagster.yaml"
+    settings_file.parent.mkdir()
+    settings_file.write_text(settings)
+    assert main(["free-slots", "--home", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("tessera free-slots: " + message.format(file=settings_file, folder=settings_file.parent))
+    assert len(error.strip().splitlines()) == 1 and str(settings_file) in error
+
+
+# --- source records -----------------------------------------------------------------------------
+
+
+def test_a_csv_field_longer_than_the_csv_modules_default_limit_is_read_and_named_where_too_long(tmp_path, demo_model):
+    from training_core.base_model import load_tokenizer
+    from training_core.data.dataset_writer import DatasetSpec, write_dataset
+    from training_core.data.sources import ORIGINS_FILE, read_records_with_origins
+
+    long_prompt = "x " * 70_000  # 140 000 characters: over csv's 131 072, valid CSV all the same
+    source = tmp_path / "long.csv"
+    with source.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerows([["prompt", "response"], ["encode: a b", "d e"], [long_prompt, "y"]])
+    records, origins = read_records_with_origins(source)
+    assert records[1] == {"prompt": long_prompt, "response": "y"}
+    assert origins.describe(1) == f"line 3 of {source}"
+
+    # Too long to train on: refused as any over-long record is, naming both files and lines.
+    frozen = tmp_path / "raw"  # as raw_examples publishes it: records.jsonl plus the hidden origins
+    frozen.mkdir()
+    (frozen / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    origins.save(frozen / ORIGINS_FILE)
+    out = tmp_path / "out"
+    out.mkdir()
+    where = rf"p: line 2 of .*records\.jsonl, from line 3 of {re.escape(str(source))} "
+    with pytest.raises(SourceDataError, match=where + r"\(prompt 'x x x .*\): \d+ tokens do not fit seq_len=64"):
+        write_dataset(records, load_tokenizer(demo_model.name_or_path), out, DatasetSpec(), source_label="p",
+                      records_path=str(frozen / "records.jsonl"))
+
+
+def test_an_untracked_file_larger_than_any_source_file_counts_by_size_and_mtime_not_by_reading_it(tmp_path):
+    # Someone's data export left in the checkout must not make every training launch read it.
+    from training_core import lineage
+
+    big = tmp_path / "export.parquet"
+    with big.open("wb") as handle:
+        handle.truncate(lineage._LARGEST_HASHED_FILE + 1)  # sparse: no disk used
+    first = lineage._file_digest(big)
+    os.utime(big, ns=(1, 1))
+    assert lineage._file_digest(big) != first  # touched (rewritten): another code version
+    small = tmp_path / "module.py"
+    small.write_text("x = 1\n")
+    os.utime(small, ns=(1, 1))
+    before = lineage._file_digest(small)
+    os.utime(small, ns=(2, 2))
+    assert lineage._file_digest(small) == before  # source files count by content
