@@ -13,7 +13,7 @@ from training_core.base_model import BaseModelRef, load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, PublishedDataset, write_dataset
 from training_core.data.demo_task import generate_records
 from training_core.data.quality import DATASET_CHECK_NAMES, MAX_REPEATED_RECORDS, run_dataset_checks
-from training_core.data.sources import ORIGINS_FILE, read_records, read_records_with_origins
+from training_core.data.sources import ORIGINS_FILE, RecordOrigins, read_records, read_records_with_origins
 from training_core.errors import EmptyPartitionError
 from training_core.storage import directory_digest, publish_directory, staging_directory
 
@@ -57,6 +57,9 @@ def raw_examples(context: dg.AssetExecutionContext, config: RawExamplesConfig, s
         if origins is not None:  # hidden, like the file digests: later errors name the user's file
             origins.save(staging / ORIGINS_FILE)
         final = publish_directory(staging, storage.folder("datasets") / "raw" / day / digest[:16])
+    if origins is not None and RecordOrigins.load(final / ORIGINS_FILE) != origins:
+        # The same records published earlier from another file: later errors must name today's source.
+        origins.save(final / ORIGINS_FILE)
     context.log.info("partition %s: %d records from %s", day, len(records), source)
     return dg.Output(
         RawPartition(path=str(final / "records.jsonl"), records=len(records), digest=digest),

@@ -217,3 +217,14 @@ def test_records_keep_where_they_came_from_and_an_overlong_one_names_the_users_f
     with pytest.raises(SourceDataError, match=rf"p: line 7 of .*records\.jsonl, from line 3 of .*b\.csv \(prompt"):
         write_dataset(records, load_tokenizer(demo_model.name_or_path), tmp_path / "out", DatasetSpec(),
                       source_label="p", records_path=str(frozen / "records.jsonl"))
+
+
+def test_the_same_records_frozen_again_from_another_file_are_named_in_that_file(tmp_path):
+    # Same records, same content-addressed folder: the origins beside it must follow today's source.
+    from training_core.data.sources import RecordLocations
+
+    records = [{"prompt": "encode: a b", "response": "b c"}, {"prompt": "encode: c d", "response": "d e"}]
+    for name in ("old_export.jsonl", "today.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+        frozen = _raw_examples(str(tmp_path / name), tmp_path / "home").value
+    assert RecordLocations(frozen.path).users(1) == f"line 2 of {tmp_path / 'today.jsonl'}"

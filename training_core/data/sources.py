@@ -10,6 +10,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,7 +171,11 @@ class RecordOrigins:
         return f"line {number} of {path}" if unit == "line" else f"{unit} {number} (0-based) of {path}"
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"files": self.files, "positions": self.positions}))
+        """Written whole (temporary file, then a rename): it may replace the origins beside a published
+        copy that a concurrent reader is loading."""
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        temporary.write_text(json.dumps({"files": self.files, "positions": self.positions}))
+        os.replace(temporary, path)
 
     @classmethod
     def load(cls, path: Path) -> "RecordOrigins | None":
