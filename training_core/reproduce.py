@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from training_core.data import cache_version
 from training_core.data.batch_columns import TRAINING_COLUMNS
+from training_core.data.batch_columns import TRAINING_TRANSFORM_VERSION as TRANSFORM_VERSION
 from training_core.data.window import window_digest
 from training_core.base_model import base_model_changes
 from training_core.errors import ConfigError, LineageError
@@ -21,7 +22,6 @@ from training_core.storage import changed_files, directory_digest
 from training_core.tracking import MlflowTracking
 from training_core.train.config import TrainingConfig, parse_training_config
 
-TRANSFORM_VERSION = "none"  # the training reader applies no transform
 CONFIG_ARTIFACT = "training_config.json"
 LINEAGE_PARAMS = (
     "dataset_paths", "dataset_digest", "base_model", "base_model_digest", "cache_version", "config_digest",
