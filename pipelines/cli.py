@@ -18,7 +18,9 @@ from pipelines.instance import (
 )
 from training_core.process_identity import this_process
 
-console = Console()
+# soft_wrap: a message stays one line and a long path is never folded mid-word, so an operator
+# can copy it (and a test can match it) whatever the terminal width.
+console = Console(soft_wrap=True)
 
 
 def demo(args: argparse.Namespace) -> int:

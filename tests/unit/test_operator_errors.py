@@ -26,11 +26,6 @@ from training_core.errors import ConfigError, LineageError, SourceDataError
 RUN_ID = "0123456789abcdef0123456789abcdef"
 
 
-def _one_line(text: str) -> str:
-    """Rich wraps console output at the terminal width; the message is one line before that."""
-    return " ".join(text.split())
-
-
 # --- code version -----------------------------------------------------------------------------
 
 
@@ -74,12 +69,16 @@ def test_code_version_counts_files_git_does_not_track_yet_and_leaves_ignored_one
 def test_reproduce_with_a_damaged_mlflow_store_names_the_store_and_exits_2(tmp_path, monkeypatch, capsys):
     from pipelines.cli import main
 
-    monkeypatch.setenv("TESSERA_HOME", str(tmp_path))  # restored after the test: the command sets it
-    (tmp_path / "mlflow.db").write_text("junk\n")
-    assert main(["reproduce", RUN_ID, "--home", str(tmp_path)]) == 2
+    # A home path longer than any terminal is wide: the path must still come out whole, unfolded.
+    home = tmp_path / ("a-home-folder-with-a-long-name-" * 4)
+    home.mkdir()
+    monkeypatch.setenv("TESSERA_HOME", str(home))  # restored after the test: the command sets it
+    (home / "mlflow.db").write_text("junk\n")
+    assert main(["reproduce", RUN_ID, "--home", str(home)]) == 2
     captured = capsys.readouterr()
-    assert (f"cannot reproduce: cannot open the MLflow tracking store {tmp_path / 'mlflow.db'}: "
-            "(sqlite3.DatabaseError) file is not a database") in _one_line(captured.out)
+    assert captured.out.startswith(f"cannot reproduce: cannot open the MLflow tracking store {home / 'mlflow.db'}: "
+                                   "(sqlite3.DatabaseError) file is not a database")
+    assert len(captured.out.strip().splitlines()) == 1
     assert "Traceback" not in captured.out + captured.err
 
 
