@@ -16,7 +16,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def code_version(repo_root: Path = REPO_ROOT) -> str:
     """`git sha`, plus `-dirty-<hash>` with uncommitted changes: the diff and the files git does not
     track yet (a new module never `git add`ed is code too), so two different dirty trees never look
-    alike; or the installed package version outside a git checkout."""
+    alike. Outside a git checkout (a container image holds the sources without `.git`), see
+    :func:`installed_code_version`."""
     try:
         sha = subprocess.run(
             ["git", "-C", str(repo_root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
@@ -29,13 +30,39 @@ def code_version(repo_root: Path = REPO_ROOT) -> str:
             capture_output=True, check=True, timeout=30,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return f"tessera=={importlib.metadata.version('tessera')}"
+        return installed_code_version(repo_root)
     if not diff.strip() and not untracked:
         return sha
     dirty = hashlib.sha256(diff)  # with no untracked files, the hash a diff alone always had
     for name in sorted(name for name in untracked.split(b"\0") if name):  # sorted: git's order is not promised
         dirty.update(b"\0untracked\0" + name + b"\0" + _file_digest(repo_root / os.fsdecode(name)))
     return f"{sha}-dirty-{dirty.hexdigest()[:12]}"
+
+
+# Tessera's own top-level packages (pyproject.toml's packages.find) and the file that pins its
+# dependencies: the code a run executes, wherever it is installed.
+CODE_PACKAGES = ("pipelines", "assets", "ops", "resources", "training_core", "bench", "deploy")
+CODE_VERSION_ENV = "TESSERA_CODE_VERSION"
+
+
+def installed_code_version(repo_root: Path = REPO_ROOT) -> str:
+    """The code version of sources that are not a git checkout: `<label>+src-<hash>`. The label is
+    `$TESSERA_CODE_VERSION` when the image build recorded one (the git sha it was built from), else
+    `tessera==<version>`; the hash covers every Python file of Tessera's packages and pyproject.toml,
+    so two images built from different code never share a version (and so never reuse each other's
+    runs) even when nobody bumped the package version or passed the build argument."""
+    label = os.environ.get(CODE_VERSION_ENV, "").strip() or f"tessera=={installed_version('tessera')}"
+    return f"{label}+src-{_source_digest(repo_root)}"
+
+
+def _source_digest(repo_root: Path) -> str:
+    digest = hashlib.sha256()
+    files = [repo_root / "pyproject.toml"] if (repo_root / "pyproject.toml").is_file() else []
+    for package in CODE_PACKAGES:
+        files.extend((repo_root / package).rglob("*.py"))
+    for path in sorted(files):
+        digest.update(path.relative_to(repo_root).as_posix().encode() + b"\0" + _file_digest(path))
+    return digest.hexdigest()[:12]
 
 
 _LARGEST_HASHED_FILE = 8 * 2**20  # larger untracked files (data someone left in the checkout): size + mtime

@@ -63,6 +63,31 @@ def test_code_version_counts_files_git_does_not_track_yet_and_leaves_ignored_one
     assert code_version(repo) == sha
 
 
+def test_code_version_outside_a_git_checkout_hashes_the_sources_an_image_holds(tmp_path, monkeypatch):
+    from training_core.lineage import CODE_VERSION_ENV, code_version, installed_version
+
+    # A container image: the sources copied without .git, as deploy/Dockerfile does.
+    image = tmp_path / "app"
+    (image / "training_core").mkdir(parents=True)
+    (image / "pyproject.toml").write_text("[project]\nname = 'tessera'\n")
+    module = image / "training_core" / "loop.py"
+    module.write_text("LEARNING_RATE_SCALE = 1.0\n")
+    (image / "README.md").write_text("not code")
+    monkeypatch.delenv(CODE_VERSION_ENV, raising=False)
+
+    first = code_version(image)
+    assert re.fullmatch(rf"tessera=={re.escape(installed_version('tessera'))}\+src-[0-9a-f]{{12}}", first)
+    assert code_version(image) == first  # every pod running the image agrees
+    (image / "README.md").write_text("other words")
+    assert code_version(image) == first  # only code counts
+    module.write_text("LEARNING_RATE_SCALE = 10.0\n")  # same package version, other code
+    second = code_version(image)
+    assert second != first
+
+    monkeypatch.setenv(CODE_VERSION_ENV, "0123abc")  # the build argument: the sha it was built from
+    assert code_version(image) == "0123abc+src-" + second.rsplit("+src-", 1)[1]
+
+
 # --- tessera reproduce: exit 2 when it cannot reproduce, whatever the cause ---------------------
 
 
