@@ -2,7 +2,8 @@
 
 import dagster as dg
 
-from pipelines.graph import ASSETS, JOBS, SCHEDULES
+from pipelines.graph import ASSETS, JOBS
+from pipelines.jobs import daily_retrain
 from pipelines.resources_local import local_resources
 
 # Every run of this location (UI launches, the schedule, backfills) executes its steps in the run's
@@ -10,5 +11,6 @@ from pipelines.resources_local import local_resources
 # process-per-step executor made each step re-import torch, transformers and Ray first (~13 s per
 # step on two cores); training already runs in Ray's own worker processes.
 defs = dg.Definitions(
-    assets=ASSETS, jobs=JOBS, schedules=SCHEDULES, resources=local_resources(), executor=dg.in_process_executor,
+    assets=ASSETS, jobs=JOBS, schedules=[daily_retrain(embedded_defaults_allowed=True)], resources=local_resources(),
+    executor=dg.in_process_executor,
 )

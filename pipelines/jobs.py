@@ -23,12 +23,17 @@ demo_job = dg.define_asset_job(
 RUN_CONFIG_ENV = "TESSERA_RUN_CONFIG"
 
 
-def scheduled_run_config() -> dict:
-    """The run config named by TESSERA_RUN_CONFIG, read at each tick (edits apply to the next run);
-    {} (embedded defaults) when it is unset."""
+def scheduled_run_config(embedded_defaults_allowed: bool = True) -> dict:
+    """The run config named by TESSERA_RUN_CONFIG, read at each tick (edits apply to the next run).
+    Unset: {} (the embedded demo defaults) where `embedded_defaults_allowed`, else a ConfigError:
+    in a production code location a forgotten variable must not retrain on the demo's data."""
     path = os.environ.get(RUN_CONFIG_ENV, "").strip()
     if not path:
-        return {}
+        if embedded_defaults_allowed:
+            return {}
+        raise ConfigError(f"{RUN_CONFIG_ENV} is not set: this code location does not retrain on the embedded "
+                          "demo defaults; point it at a run config YAML file (docs/scaling_out.md, "
+                          "\"Scheduled retraining\")")
     try:
         values = yaml.safe_load(Path(path).expanduser().read_text())
     except OSError as error:
@@ -46,17 +51,25 @@ def scheduled_run_config() -> dict:
 RETRAIN_HOUR, RETRAIN_MINUTE = 2, 0
 
 
-@dg.schedule(
-    job=demo_job, name="daily_retrain", cron_schedule=f"{RETRAIN_MINUTE} {RETRAIN_HOUR} * * *",
-    execution_timezone="UTC",
-    description=f"retrain on yesterday's partition every day at 02:00 UTC, with the run config in ${RUN_CONFIG_ENV} "
-                "(unset: the embedded demo defaults)",
-)
-def daily_retrain_schedule(context: dg.ScheduleEvaluationContext):
-    closed_days = DAILY.get_partition_keys(current_time=context.scheduled_execution_time)
-    if not closed_days:
-        return dg.SkipReason("no day has closed since the first partition")
-    day = closed_days[-1]
-    run_config = scheduled_run_config()  # a bad file fails the tick, naming it, before any run starts
-    tags = {"tessera/run_config": os.environ[RUN_CONFIG_ENV].strip()} if run_config else {}
-    return dg.RunRequest(run_key=day, partition_key=day, run_config=run_config, tags=tags)
+def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefinition:
+    """The `daily_retrain` schedule. The local code location may run it on the embedded defaults
+    (the demo); the Kubernetes one passes False, so an unset TESSERA_RUN_CONFIG fails the tick."""
+    unset = "the embedded demo defaults" if embedded_defaults_allowed else "each tick fails, naming it"
+
+    @dg.schedule(
+        job=demo_job, name="daily_retrain", cron_schedule=f"{RETRAIN_MINUTE} {RETRAIN_HOUR} * * *",
+        execution_timezone="UTC",
+        description=f"retrain on yesterday's partition every day at 02:00 UTC, with the run config in "
+                    f"${RUN_CONFIG_ENV} (unset: {unset})",
+    )
+    def daily_retrain_schedule(context: dg.ScheduleEvaluationContext):
+        closed_days = DAILY.get_partition_keys(current_time=context.scheduled_execution_time)
+        if not closed_days:
+            return dg.SkipReason("no day has closed since the first partition")
+        day = closed_days[-1]
+        # A bad or missing file fails the tick, naming it, before any run starts.
+        run_config = scheduled_run_config(embedded_defaults_allowed)
+        tags = {"tessera/run_config": os.environ[RUN_CONFIG_ENV].strip()} if run_config else {}
+        return dg.RunRequest(run_key=day, partition_key=day, run_config=run_config, tags=tags)
+
+    return daily_retrain_schedule

@@ -136,6 +136,25 @@ def test_code_location_serves_the_kubernetes_definitions(monkeypatch):
     assert type(defs.resources["ray_cluster"]).__name__ == "TrainingKubeRayCluster"
 
 
+def test_code_location_pod_reads_the_schedules_run_config_from_a_mounted_config_map():
+    from pipelines.jobs import RUN_CONFIG_ENV
+
+    (deployment,) = HELM_VALUES["dagster-user-deployments"]["deployments"]
+    env = {entry["name"]: entry for entry in deployment["env"]}
+    for entry in deployment["env"]:
+        _strict_k8s("V1EnvVar", entry)
+    for volume in deployment["volumes"]:
+        _strict_k8s("V1Volume", volume)
+    for mount in deployment["volumeMounts"]:
+        _strict_k8s("V1VolumeMount", mount)
+    run_config = Path(env[RUN_CONFIG_ENV]["value"])
+    config_maps = {v["name"]: v["configMap"] for v in deployment["volumes"] if "configMap" in v}
+    (mount,) = [m for m in deployment["volumeMounts"] if m["name"] in config_maps]
+    assert run_config.parent == Path(mount["mountPath"])  # the file is a key of the mounted ConfigMap
+    assert config_maps[mount["name"]]["name"] == "tessera-run-config"
+    assert config_maps[mount["name"]]["optional"] is True  # the location starts before the ConfigMap exists
+
+
 def test_instance_uses_postgres_with_the_password_from_a_secret():
     assert HELM_VALUES["generatePostgresqlPasswordSecret"] is False
     assert HELM_VALUES["global"]["postgresqlSecretName"]

@@ -56,6 +56,25 @@ def test_a_run_config_file_that_cannot_be_used_fails_the_tick_naming_it(tmp_path
     assert re.search(message, str(failed.value.user_exception)), failed.value.user_exception
 
 
+def test_the_kubernetes_location_refuses_to_retrain_on_the_demo_defaults(monkeypatch):
+    # A forgotten TESSERA_RUN_CONFIG in production must not train the demo model on generated data.
+    import importlib
+
+    monkeypatch.setenv("TESSERA_RAY_STORAGE", "/var/lib/tessera/ray")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    monkeypatch.delenv("TESSERA_RUN_CONFIG", raising=False)
+    kubernetes_defs = importlib.import_module("pipelines.definitions_kubernetes").defs
+    schedule = kubernetes_defs.resolve_schedule_def("daily_retrain")
+    context = dg.build_schedule_context(scheduled_execution_time=datetime(2026, 11, 3, 2, 0, tzinfo=timezone.utc),
+                                        repository_def=kubernetes_defs.get_repository_def())
+    with pytest.raises(dg.DagsterUserCodeExecutionError) as failed:
+        schedule.evaluate_tick(context)
+    assert str(failed.value.user_exception).startswith("TESSERA_RUN_CONFIG is not set: this code location does not "
+                                                       "retrain on the embedded demo defaults")
+    assert "each tick fails" in schedule.description and "demo defaults" in defs.resolve_schedule_def(
+        "daily_retrain").description
+
+
 def test_training_is_limited_by_a_concurrency_pool():
     graph = defs.resolve_asset_graph()
     assert graph.get(dg.AssetKey("lora_adapter")).pools == {"training"}
