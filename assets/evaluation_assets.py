@@ -25,6 +25,8 @@ CHAMPION_ALIAS = "champion"
 MAX_LOSS_RATIO = 1.0
 # "Not worse than the champion": at most 5 % higher held-out loss than the current champion.
 CHAMPION_TOLERANCE = 0.05
+# Said of a champion that cannot be compared: the gate passes, so it does not hold on to the alias.
+_REPLACED = f"a model that passes the other gate replaces it as {CHAMPION_ALIAS}"
 
 
 class EvaluationConfig(dg.Config):
@@ -98,10 +100,11 @@ def evaluation(
     tracking = mlflow_tracker.client()
     registry = ModelRegistry(tracking, REGISTERED_MODEL, CHAMPION_ALIAS)
     champion = registry.champion()
-    # A reused run often is the champion: nothing to compare against. Another tokenizer: no comparison.
+    # A reused run often is the champion: nothing to compare against. Another tokenizer, or its MLflow run
+    # gone: no comparison.
     compare = champion is not None and champion.run_id != lora_adapter.mlflow_run_id
-    champion_base = registry.base_model_of(champion) if compare else None
-    not_comparable = champion_not_comparable(champion_base, base_model.name_or_path) if compare else None
+    champion_base, not_comparable = (_champion_base_model(registry, champion, base_model.name_or_path) if compare
+                                     else (None, None))
     # Downloaded into the state folder, not /tmp: a Ray task on another node reads it from there.
     with staging_directory(storage.folder("models") / "champion-downloads") as downloads:
         champion_model = None
@@ -109,7 +112,7 @@ def evaluation(
             try:
                 champion_model = (champion_base, registry.download(champion, downloads))
             except LineageError as error:  # artifacts deleted: that champion cannot be served either
-                not_comparable = f"{error}; a model that passes the other gate replaces it as {CHAMPION_ALIAS}"
+                not_comparable = f"{error}; {_REPLACED}"
         if not_comparable:
             context.log.warning("not comparing with the champion (run %s): %s", champion.run_id, not_comparable)
         job = EvaluationJob(base_model.name_or_path, lora_adapter.model_dir, records, settings, champion_model)
@@ -136,6 +139,17 @@ def evaluation(
                                       "eval_precision": outcome.settings.precision,
                                       "evaluated_by": outcome.where})
     yield from gates
+
+
+def _champion_base_model(registry: ModelRegistry, champion, base_model: str) -> tuple[str | None, str | None]:
+    """(the champion's base model, why the champion cannot be compared with this run's model or None).
+    A champion whose MLflow run is gone (deleted, then garbage-collected) or recorded no base model
+    is not comparable, like one that tokenizes differently: the gate passes saying why, not the step failing."""
+    try:
+        champion_base = registry.base_model_of(champion)
+    except LineageError as error:
+        return None, f"{error}; {_REPLACED}"
+    return champion_base, champion_not_comparable(champion_base, base_model)
 
 
 def _beats_base_model(report: EvaluationReport, max_loss_ratio: float) -> dg.AssetCheckResult:

@@ -11,7 +11,12 @@ from rich.table import Table
 
 from pipelines.resources_local import RAY_ADDRESS_ENV, local_resources
 from resources import ExternalRayCluster
-from resources.ray_cluster import RayClusterUnreachable, gpu_available_in_cluster, wait_until_reachable
+from resources.ray_cluster import (
+    RayClusterUnreachable,
+    alive_node_resources,
+    gpu_available_in_cluster,
+    wait_until_reachable,
+)
 from training_core.data.window import eval_records
 from training_core.errors import ConfigError, LineageError, TesseraError
 from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
@@ -56,9 +61,7 @@ def reproduce_run(run_id: str, console: Console) -> int:
         console.print(f"[red]cannot reproduce:[/] run {escape(run_id)} was evaluated with "
                       f"{escape(str(recorded.eval_settings))}: {escape(str(error))}")
         return 2
-    import ray
-
-    if shortfall := recorded.config.capacity_shortfall(ray.cluster_resources()):  # Ray Train would wait for ever
+    if shortfall := recorded.config.capacity_shortfall(alive_node_resources()):  # Ray Train would wait for ever
         console.print(f"[red]cannot reproduce:[/] {escape(shortfall)}")
         return 2
     tracked = run_tracked_training(

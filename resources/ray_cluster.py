@@ -218,11 +218,9 @@ def check_cluster_capacity(training_config, ray_cluster: Any, log: Any, poll_s: 
     A cluster that adds nodes on demand (``autoscaling``) only gets a warning: the nodes may come.
     An external cluster gets ``connect_timeout_s`` for nodes that are still joining (a cluster
     started moments ago); in-process Ray has all it will ever have at once."""
-    import ray
-
     from training_core.errors import ConfigError
 
-    if (shortfall := training_config.capacity_shortfall(ray.cluster_resources())) is None:
+    if (shortfall := training_config.capacity_shortfall(alive_node_resources())) is None:
         return
     if getattr(ray_cluster, "autoscaling", True):
         log.warning(f"{shortfall}; waiting for the cluster's autoscaler to add nodes")
@@ -230,9 +228,17 @@ def check_cluster_capacity(training_config, ray_cluster: Any, log: Any, poll_s: 
     deadline = time.monotonic() + float(getattr(ray_cluster, "connect_timeout_s", 0.0))
     while time.monotonic() + poll_s <= deadline:
         time.sleep(poll_s)
-        if (shortfall := training_config.capacity_shortfall(ray.cluster_resources())) is None:
+        if (shortfall := training_config.capacity_shortfall(alive_node_resources())) is None:
             return
     raise ConfigError(shortfall)
+
+
+def alive_node_resources() -> list[dict[str, float]]:
+    """Each alive node's total resources (``CPU``, ``GPU``, ``memory``, …) on the connected cluster:
+    a worker's resources must all be on one node, so cluster totals cannot say whether it fits."""
+    import ray
+
+    return [dict(node["Resources"]) for node in ray.nodes() if node["Alive"]]
 
 
 def gpu_available_in_cluster() -> bool:
@@ -242,5 +248,5 @@ def gpu_available_in_cluster() -> bool:
 
 
 __all__ = ["LocalRayCluster", "ExternalRayCluster", "RayClusterUnreachable", "RayDataOptions", "RayResource",
-           "check_cluster_capacity", "connect_to_cluster", "connect_unless_connected", "gpu_available_in_cluster",
-           "wait_until_reachable"]
+           "alive_node_resources", "check_cluster_capacity", "connect_to_cluster", "connect_unless_connected",
+           "gpu_available_in_cluster", "wait_until_reachable"]

@@ -155,8 +155,25 @@ class ModelRegistry:
             return None
 
     def base_model_of(self, version) -> str:
-        """The base model a registered version was trained on (its run's lineage)."""
-        return self.client.get_run(version.run_id).data.params["base_model"]
+        """The base model a registered version was trained on (its run's lineage). Raises
+        ``LineageError`` naming the version and run when that run is gone (deleted, then removed by
+        ``mlflow gc``) or recorded no ``base_model`` param. Other MLflow errors (a tracking server
+        that does not answer) propagate: they say nothing about the version."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = self.client.get_run(version.run_id)
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            raise LineageError(
+                f"{self._describe(version)}: its run is not in the tracking store (deleted and garbage-collected, "
+                "or logged to another store), so its base model is unknown") from error
+        base_model = run.data.params.get("base_model")
+        if not base_model:
+            raise LineageError(f"{self._describe(version)}: its run records no 'base_model' param, so its base "
+                               "model is unknown")
+        return base_model
 
     def download(self, version, destination: Path) -> str:
         """The local model dir of a registered version, e.g. the `champion()` (its base model:
@@ -167,10 +184,12 @@ class ModelRegistry:
         try:
             local = self.client.download_artifacts(version.run_id, "model", str(destination))
         except (MlflowException, OSError) as error:
-            raise LineageError(
-                f"{self.name} version {version.version} (MLflow run {version.run_id}), alias {self.alias!r}: its model "
-                f"artifacts cannot be downloaded ({type(error).__name__}: {error})") from error
+            raise LineageError(f"{self._describe(version)}: its model artifacts cannot be downloaded "
+                               f"({type(error).__name__}: {error})") from error
         return local
+
+    def _describe(self, version) -> str:
+        return f"{self.name} version {version.version} (MLflow run {version.run_id}), alias {self.alias!r}"
 
     def promote(self, run_id: str) -> tuple[str, bool]:
         """Register the run's model and move the alias to it. Returns (version, changed); promoting

@@ -1,6 +1,8 @@
-"""Fixtures for the row-group reader tests: small Parquet datasets with known row ids."""
+"""Fixtures for the unit tests: small Parquet datasets with known row ids, MLflow runs deleted for good."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,3 +31,14 @@ def write_ids_dataset(directory: Path, layout: list[tuple[int, int]], token_widt
 def ids_dataset(tmp_path: Path) -> Path:
     """1 000 rows in 3 files with uneven row groups (130, 200, 7 rows)."""
     return write_ids_dataset(tmp_path / "ids", [(600, 130), (350, 200), (50, 7)])
+
+
+def garbage_collect_run(tracking_uri: str, run_id: str) -> None:
+    """Delete an MLflow run for good, as an operator does: delete it, then `mlflow gc` (in its own
+    process: the command sets the tracking URI of the process it runs in)."""
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri).delete_run(run_id)
+    gc = subprocess.run([sys.executable, "-m", "mlflow", "gc", "--backend-store-uri", tracking_uri,
+                         "--tracking-uri", tracking_uri, "--run-ids", run_id], capture_output=True, text=True)
+    assert gc.returncode == 0, gc.stderr

@@ -213,6 +213,44 @@ def test_a_champion_that_cannot_be_compared_passes_the_gate_saying_why():
     assert check.metadata["compared"].value is False
 
 
+def test_a_champion_whose_mlflow_run_was_garbage_collected_is_not_compared_and_evaluation_goes_on(
+        tmp_path, demo_model, adapter_dir):
+    from assets.evaluation_assets import CHAMPION_ALIAS, REGISTERED_MODEL, evaluation
+    from assets.training_assets import TrainedModel
+    from resources import MlflowTracker, TesseraStorage
+    from tests.unit.conftest import garbage_collect_run
+    from training_core.tracking import ModelRegistry
+
+    storage = TesseraStorage(home=str(tmp_path / "home"))
+    mlflow_tracker = MlflowTracker(storage=storage)
+    tracking = mlflow_tracker.client()
+    champion_run = tracking.start_run("champion", tags={})
+    tracking.log_batch(champion_run, params={"base_model": demo_model.name_or_path})
+    tracking.client.log_artifacts(champion_run, str(adapter_dir), "model")
+    ModelRegistry(tracking, REGISTERED_MODEL, CHAMPION_ALIAS).promote(champion_run)
+    garbage_collect_run(tracking.tracking_uri, champion_run)  # the alias still points at its version
+    trained_run = tracking.start_run("trained", tags={})
+    dataset = write_dataset(generate_records("2026-11-01", 400), load_tokenizer(demo_model.name_or_path),
+                            tmp_path / "datasets", DatasetSpec(), source_label="partition 2026-11-01")
+
+    outputs = list(evaluation(
+        dg.build_asset_context(partition_key="2026-11-01"), config=EvaluationConfig(), mlflow_tracker=mlflow_tracker,
+        storage=storage, ray_cluster=None, training_dataset={"2026-11-01": dataset}, base_model=demo_model,
+        lora_adapter=TrainedModel(str(adapter_dir), "lora", trained_run, demo_model.name_or_path,
+                                  dataset.digest, 1.0)))
+
+    report = next(o.value for o in outputs if isinstance(o, dg.Output))
+    assert report.champion is None and report.base.examples > 0
+    check = next(o for o in outputs if isinstance(o, dg.AssetCheckResult) and o.check_name == "not_worse_than_champion")
+    assert check.passed is True and check.metadata["compared"].value is False
+    assert check.metadata["champion_run_id"].value == champion_run
+    assert check.description == (
+        f"not compared: tessera-adapter version 1 (MLflow run {champion_run}), alias 'champion': its run is not in "
+        "the tracking store (deleted and garbage-collected, or logged to another store), so its base model is "
+        "unknown; a model that passes the other gate replaces it as champion")
+    assert "eval_loss" in tracking.client.get_run(trained_run).data.metrics  # the evaluation was recorded
+
+
 # --- empty held-out split ------------------------------------------------------------------------
 
 

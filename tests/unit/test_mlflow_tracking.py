@@ -108,6 +108,56 @@ def test_a_champion_whose_artifacts_are_gone_is_named_by_version_and_run(tmp_pat
         registry.download(registry.champion(), tmp_path / "second")
 
 
+def test_a_champion_whose_run_is_gone_or_recorded_no_base_model_is_named_by_version_and_run(tmp_path: Path):
+    import pytest
+    from mlflow.exceptions import MlflowException
+
+    from tests.unit.conftest import garbage_collect_run
+    from training_core.errors import LineageError
+    from training_core.tracking import ModelRegistry
+
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    registry = ModelRegistry(tracking, "adapter", "champion")
+    unrecorded, recorded = (tracking.start_run(name, tags={}) for name in ("unrecorded", "recorded"))
+    tracking.log_batch(recorded, params={"base_model": "/models/base"})
+
+    registry.promote(unrecorded)  # a run from before the lineage record
+    with pytest.raises(LineageError, match=rf"^adapter version 1 \(MLflow run {unrecorded}\), alias 'champion': "
+                                           r"its run records no 'base_model' param"):
+        registry.base_model_of(registry.champion())
+
+    registry.promote(recorded)
+    tracking.client.delete_run(recorded)  # deleted only: MLflow still serves it until `mlflow gc`
+    assert registry.base_model_of(registry.champion()) == "/models/base"
+    garbage_collect_run(tracking.tracking_uri, recorded)
+    with pytest.raises(LineageError, match=rf"^adapter version 2 \(MLflow run {recorded}\), alias 'champion': "
+                                           r"its run is not in the tracking store \(deleted and garbage-collected") as gone:
+        registry.base_model_of(registry.champion())
+    assert isinstance(gone.value.__cause__, MlflowException)
+
+
+def test_a_tracking_server_that_does_not_answer_is_not_taken_for_a_champion_whose_run_is_gone(monkeypatch):
+    import socket
+    from types import SimpleNamespace
+
+    import pytest
+    from mlflow.entities.model_registry import ModelVersion
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from training_core.tracking import ModelRegistry
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    registry = ModelRegistry(SimpleNamespace(client=MlflowClient(f"http://127.0.0.1:{port}")), "adapter", "champion")
+    # Treated as "gone", an outage would let any model replace the champion without a comparison.
+    with pytest.raises(MlflowException) as raised:
+        registry.base_model_of(ModelVersion("adapter", "1", 0, run_id="0" * 32))
+    assert raised.value.error_code != "RESOURCE_DOES_NOT_EXIST"
+
+
 def test_registered_versions_say_whether_they_hold_an_adapter_or_a_full_model(tmp_path: Path):
     from training_core.tracking import ModelRegistry
 

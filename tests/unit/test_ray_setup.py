@@ -251,13 +251,56 @@ def test_waiting_for_a_cluster_returns_once_its_port_accepts_connections():
 def test_a_worker_group_larger_than_the_cluster_is_named_before_ray_train_waits_for_it():
     from training_core.train.config import TrainingConfig
 
-    assert TrainingConfig(num_workers=2).capacity_shortfall({"CPU": 2.0}) is None
-    assert TrainingConfig(num_workers=4).capacity_shortfall({"CPU": 2.0}) == (
+    assert TrainingConfig(num_workers=2).capacity_shortfall([{"CPU": 2.0}]) is None
+    assert TrainingConfig(num_workers=4).capacity_shortfall([{"CPU": 2.0}]) == (
         "num_workers=4 × 1 CPU per worker needs 4 CPU, and the Ray cluster has 2 in all; lower num_workers or "
         "cpus_per_worker, or train on a larger cluster")
     gpu = TrainingConfig(num_workers=2, use_gpu=True, cpus_per_worker=2)
-    assert gpu.capacity_shortfall({"CPU": 16.0, "GPU": 1.0}).startswith("num_workers=2 × 1 GPU per worker needs 2 GPU")
-    assert gpu.capacity_shortfall({"CPU": 3.0}).startswith("num_workers=2 × 2 CPU per worker needs 4 CPU")
+    assert gpu.capacity_shortfall([{"CPU": 16.0, "GPU": 1.0}]).startswith(
+        "num_workers=2 × 1 GPU per worker needs 2 GPU")
+    assert gpu.capacity_shortfall([{"CPU": 3.0}]).startswith("num_workers=2 × 2 CPU per worker needs 4 CPU")
+    assert TrainingConfig().capacity_shortfall([]).endswith("the Ray cluster has 0 in all; lower num_workers or "
+                                                            "cpus_per_worker, or train on a larger cluster")
+
+
+def test_a_worker_group_that_fits_the_cluster_totals_but_not_its_nodes_is_named():
+    # Each worker is one placement-group bundle: its CPUs (and GPU) on one node, never split.
+    from training_core.train.config import TrainingConfig
+
+    three_by_two = TrainingConfig(num_workers=3, cpus_per_worker=2)  # 6 CPU, and the cluster has 6
+    assert three_by_two.capacity_shortfall([{"CPU": 3.0}, {"CPU": 3.0}]) == (
+        "num_workers=3 × 2 CPU per worker: Ray puts each worker's resources on one node, and the Ray nodes hold only "
+        "2 of them (the largest node has 3 CPU; 2 alive nodes have 3 CPU each); lower num_workers or "
+        "cpus_per_worker, or train on larger nodes")
+    assert TrainingConfig(num_workers=2, cpus_per_worker=3).capacity_shortfall(
+        [{"CPU": 2.0}, {"CPU": 2.0}, {"CPU": 2.0}]) == (
+        "num_workers=2 × 3 CPU per worker: Ray puts each worker's resources on one node, and no Ray node holds one "
+        "(the largest node has 2 CPU; 3 alive nodes have 2 CPU each); lower cpus_per_worker, or train on larger "
+        "nodes")
+    # The GPU is on the small node, the CPUs on the large one: 5 CPU and 1 GPU in all, yet no node holds a worker.
+    gpu_worker = TrainingConfig(num_workers=1, cpus_per_worker=4, use_gpu=True)
+    assert gpu_worker.capacity_shortfall([{"CPU": 4.0, "GPU": 0.0}, {"CPU": 1.0, "GPU": 1.0}]) == (
+        "num_workers=1 × 4 CPU + 1 GPU per worker: Ray puts each worker's resources on one node, and no Ray node "
+        "holds one (the largest node has 1 CPU + 1 GPU; 2 alive nodes have 4 CPU + 0 GPU, 1 CPU + 1 GPU); lower "
+        "cpus_per_worker, or train on larger nodes")
+
+
+@pytest.mark.parametrize("workers, cpus, gpu, nodes", [
+    (3, 2, False, [{"CPU": 4.0}, {"CPU": 2.0}]),  # two workers share the large node
+    (2, 3, False, [{"CPU": 3.0, "memory": 1e9}, {"CPU": 3.0}, {"CPU": 1.0}]),  # other resources do not matter
+    (2, 4, True, [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 64.0}]),  # both GPU workers on the GPU node
+    (1, 1, False, [{"CPU": 1.0}]),
+])
+def test_a_worker_group_that_fits_the_nodes_passes(workers, cpus, gpu, nodes):
+    from training_core.train.config import TrainingConfig
+
+    assert TrainingConfig(num_workers=workers, cpus_per_worker=cpus, use_gpu=gpu).capacity_shortfall(nodes) is None
+
+
+def _alive_nodes(*cpus: float, dead: float = 0.0) -> list[dict]:
+    """``ray.nodes()`` as Ray reports it: dead nodes stay listed, with Alive false."""
+    return [{"Alive": True, "Resources": {"CPU": c, "memory": 1e9}} for c in cpus] + (
+        [{"Alive": False, "Resources": {"CPU": dead}}] if dead else [])
 
 
 def test_only_a_cluster_that_can_add_nodes_waits_for_a_worker_group_larger_than_it(monkeypatch):
@@ -269,7 +312,7 @@ def test_only_a_cluster_that_can_add_nodes_waits_for_a_worker_group_larger_than_
     from training_core.errors import ConfigError
     from training_core.train.config import TrainingConfig
 
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})  # a 2-core machine's Ray
+    monkeypatch.setattr(ray, "nodes", lambda: _alive_nodes(2.0, dead=8.0))  # a 2-core machine's Ray
     too_big, log = TrainingConfig(num_workers=3), logging.getLogger("test")
     check_cluster_capacity(TrainingConfig(num_workers=2), LocalRayCluster(), log)
     with pytest.raises(ConfigError, match="num_workers=3 × 1 CPU per worker needs 3 CPU, and the Ray cluster has 2"):
@@ -277,17 +320,21 @@ def test_only_a_cluster_that_can_add_nodes_waits_for_a_worker_group_larger_than_
     with pytest.raises(ConfigError, match="needs 3 CPU"):
         check_cluster_capacity(too_big, ExternalRayCluster(address="10.0.0.5:6379", connect_timeout_s=0.05), log,
                                poll_s=0.01)
-    joining = iter([{"CPU": 2.0}, {"CPU": 2.0}, {"CPU": 3.0}])  # a node registers while we wait
-    monkeypatch.setattr(ray, "cluster_resources", lambda: next(joining))
+    joining = iter([_alive_nodes(2.0), _alive_nodes(2.0), _alive_nodes(2.0, 1.0)])  # a node registers while we wait
+    monkeypatch.setattr(ray, "nodes", lambda: next(joining))
     check_cluster_capacity(too_big, ExternalRayCluster(address="10.0.0.5:6379", connect_timeout_s=5), log,
                            poll_s=0.01)
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "nodes", lambda: _alive_nodes(2.0))
     warnings = []
     monkeypatch.setattr(log, "warning", warnings.append)
     check_cluster_capacity(too_big, ExternalRayCluster(address="10.0.0.5:6379", autoscaling=True), log)
     assert warnings == ["num_workers=3 × 1 CPU per worker needs 3 CPU, and the Ray cluster has 2 in all; lower "
                         "num_workers or cpus_per_worker, or train on a larger cluster; waiting for the cluster's "
                         "autoscaler to add nodes"]
+    monkeypatch.setattr(ray, "nodes", lambda: _alive_nodes(3.0, 3.0))  # 6 CPU in all, 3 per node
+    with pytest.raises(ConfigError, match=r"num_workers=3 × 2 CPU per worker: Ray puts each worker's resources on one "
+                                          r"node, and the Ray nodes hold only 2 of them"):
+        check_cluster_capacity(TrainingConfig(num_workers=3, cpus_per_worker=2), LocalRayCluster(), log)
 
 
 def test_workers_hide_only_the_library_deprecations_printed_on_every_step():

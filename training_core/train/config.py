@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -134,16 +136,37 @@ class TrainingConfig(BaseModel):
         """What each Ray Train worker asks for (its ScalingConfig.resources_per_worker)."""
         return {"CPU": self.cpus_per_worker, **({"GPU": 1} if self.use_gpu else {})}
 
-    def capacity_shortfall(self, cluster_resources: dict[str, float]) -> str | None:
-        """Why the worker group cannot be placed on a cluster of this total size, or None if it can.
-        Ray Train would otherwise wait for the resources and retry its start-up for ever."""
-        for resource, per_worker in self.worker_resources().items():
-            needed, there = per_worker * self.num_workers, float(cluster_resources.get(resource, 0.0))
+    def capacity_shortfall(self, nodes: Sequence[Mapping[str, float]]) -> str | None:
+        """Why the worker group cannot be placed on Ray nodes with these total resources (one mapping
+        per alive node, as ``ray.nodes()`` reports its ``Resources``), or None if it can. Ray Train
+        would otherwise wait for the resources and retry its start-up for ever.
+
+        Each worker is one bundle of the trainer's placement group: all its CPUs and GPUs on one node.
+        The launcher keeps ScalingConfig's default placement strategy, PACK, which (like SPREAD) lets
+        several bundles share a node, so the group fits when the nodes hold ``num_workers`` bundles in
+        all. First-fit decreasing placement of identical bundles into the nodes' capacities amounts to
+        counting how many fit on each node, and for identical bundles that count is exact (STRICT_PACK
+        would need them all on one node; it is not used). Node totals, not what is free now: a busy
+        cluster makes training wait, it does not make it impossible."""
+        per_worker = self.worker_resources()
+        for resource, amount in per_worker.items():
+            needed, there = amount * self.num_workers, sum(float(node.get(resource, 0.0)) for node in nodes)
             if needed > there:
-                return (f"num_workers={self.num_workers} × {per_worker:g} {resource} per worker needs {needed:g} "
+                return (f"num_workers={self.num_workers} × {amount:g} {resource} per worker needs {needed:g} "
                         f"{resource}, and the Ray cluster has {there:g} in all; lower num_workers"
                         f"{' or cpus_per_worker' if resource == 'CPU' else ''}, or train on a larger cluster")
-        return None
+        placeable = sum(_workers_that_fit(node, per_worker) for node in nodes)
+        if placeable >= self.num_workers:
+            return None
+        need = _label(_shape(per_worker, per_worker), per_worker)
+        # The largest node: the one whose scarcest resource covers the most of a worker.
+        largest = max((_shape(node, per_worker) for node in nodes),
+                      key=lambda shape: (min(a / b for a, b in zip(shape, per_worker.values())), shape))
+        held = "no Ray node holds one" if placeable == 0 else f"the Ray nodes hold only {placeable} of them"
+        lower = "cpus_per_worker" if placeable == 0 else "num_workers or cpus_per_worker"
+        return (f"num_workers={self.num_workers} × {need} per worker: Ray puts each worker's resources on one node, "
+                f"and {held} (the largest node has {_label(largest, per_worker)}; "
+                f"{_describe_nodes(nodes, per_worker)}); lower {lower}, or train on larger nodes")
 
     @property
     def global_batch_rows(self) -> int:
@@ -151,6 +174,33 @@ class TrainingConfig(BaseModel):
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def _workers_that_fit(node: Mapping[str, float], per_worker: Mapping[str, float]) -> int:
+    # Ray keeps resources in fixed point (1e-4): 0.3 GPU × 3 fits 0.9 GPU despite binary floats.
+    return min(math.floor(float(node.get(resource, 0.0)) / amount + 1e-6) for resource, amount in per_worker.items())
+
+
+def _shape(node: Mapping[str, float], keys: Mapping[str, float]) -> tuple[float, ...]:
+    return tuple(float(node.get(key, 0.0)) for key in keys)
+
+
+def _label(shape: tuple[float, ...], keys: Mapping[str, float]) -> str:
+    """``2 CPU + 1 GPU``: amounts of the resources a worker asks for."""
+    return " + ".join(f"{amount:g} {key}" for amount, key in zip(shape, keys))
+
+
+def _describe_nodes(nodes: Sequence[Mapping[str, float]], keys: Mapping[str, float], shown: int = 4) -> str:
+    """``2 alive nodes have 2 CPU each`` or ``3 alive nodes have 8 CPU + 1 GPU, 2 CPU + 0 GPU (×2)``."""
+    shapes = Counter(_shape(node, keys) for node in nodes)
+    count = f"{len(nodes)} alive node{'s' if len(nodes) != 1 else ''}"
+    if len(shapes) == 1:
+        shape = _label(next(iter(shapes)), keys)
+        return f"{count} has {shape}" if len(nodes) == 1 else f"{count} have {shape} each"
+    largest_first = sorted(shapes, reverse=True)
+    listed = ", ".join(_label(shape, keys) + (f" (×{shapes[shape]})" if shapes[shape] > 1 else "")
+                       for shape in largest_first[:shown])
+    return f"{count} have {listed}{', …' if len(largest_first) > shown else ''}"
 
 
 def parse_training_config(values: dict) -> TrainingConfig:
