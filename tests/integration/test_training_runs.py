@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from training_core.train.checkpointing import ENGINE_DIR, MODEL_DIR, RAY_SNAPSHOT, load_progress
+from training_core.train.checkpointing import (
+    ENGINE_DIR, MODEL_DIR, RAY_SNAPSHOT, load_progress, verify_checkpoint_files,
+)
 from training_core.train.config import LoraSettings, TrainingConfig
 from training_core.train.launcher import FAULT_STEP_ENV, run_training
 
@@ -181,11 +183,26 @@ def test_killed_worker_resumes_bit_identically_under_zero3_offload_with_a_frozen
     faulted = train("frozen-zero3-fault", _config(**FROZEN_BASE_ZERO3), fault_step=12)
     assert uninterrupted.restarts == 0 and faulted.restarts >= 1
     _assert_identical(uninterrupted, faulted)
-    # What the engine state holds of the model: the LoRA weights, not the frozen base.
-    checkpoints = _checkpoints_by_step(train.storage / "frozen-zero3-fault")
+
+
+def test_a_run_that_did_not_finish_keeps_engine_state_without_the_frozen_base(
+        ray_session, demo_model, demo_dataset, tmp_path, monkeypatch):
+    import ray.train
     import torch
 
-    model_states = sorted((checkpoints[15] / ENGINE_DIR).rglob("*model_states.pt"))  # one per rank under ZeRO-3
+    # A worker killed at step 7 with no retry left: the run fails after its step-5 checkpoint, which
+    # a relaunch resumes from, so its engine state stays (only a published model supersedes it).
+    monkeypatch.setenv(FAULT_STEP_ENV, "7")
+    with pytest.raises(ray.train.TrainingFailedError):
+        run_training(
+            _config(**FROZEN_BASE_ZERO3), model_path=demo_model.name_or_path, train_dirs=[str(demo_dataset.train_dir)],
+            seq_len=demo_dataset.seq_len, cache_dir=None, storage_path=tmp_path / "ray", run_name="frozen-zero3-killed",
+            output_dir=tmp_path / "models", max_failures=0,
+        )
+    checkpoints = _checkpoints_by_step(tmp_path / "ray" / "frozen-zero3-killed")
+    assert sorted(checkpoints) == [5] and not (tmp_path / "models" / "frozen-zero3-killed").exists()
+    # What the engine state holds of the model: the LoRA weights, not the frozen base.
+    model_states = sorted((checkpoints[5] / ENGINE_DIR).rglob("*model_states.pt"))  # one per rank under ZeRO-3
     assert model_states
     for path in model_states:
         saved = torch.load(path, map_location="cpu", weights_only=False)["module"]
@@ -212,12 +229,23 @@ def _checkpoints_by_step(run_directory: Path) -> dict[int, Path]:
     return {load_progress(path).step: path for path in run_directory.glob("checkpoint_*") if path.is_dir()}
 
 
-def test_final_checkpoint_holds_the_model_but_no_engine_state(train):
+def test_a_finished_run_keeps_no_engine_state_and_relaunches_from_its_final_checkpoint(train):
     result = train("lora-2w", _config())
-    checkpoints = _checkpoints_by_step(train.storage / result.run_name)
+    run_directory = train.storage / result.run_name
+    checkpoints = _checkpoints_by_step(run_directory)
     assert sorted(checkpoints) == [20, 30]  # every 10 steps, the last 2 kept
-    assert (checkpoints[20] / ENGINE_DIR).is_dir() and not (checkpoints[20] / MODEL_DIR).exists()
+    # The final checkpoint is written without engine state; the one before it loses its own once
+    # the model is published, and still verifies against its (rewritten) manifests.
+    assert not (checkpoints[20] / ENGINE_DIR).exists() and not (checkpoints[20] / MODEL_DIR).exists()
+    assert (checkpoints[20] / "worker-1.pt").is_file() and verify_checkpoint_files(checkpoints[20]) == []
     assert not (checkpoints[30] / ENGINE_DIR).exists() and (checkpoints[30] / MODEL_DIR).is_dir()
+
+    # Ray's checkpoint list still names both folders; a relaunch accepts it and reports the model again.
+    weights = _weights(result)  # the relaunch rewrites the same output folder
+    again = train("lora-2w-relaunched", _config(), run_name="lora-2w")
+    assert again.restarts == 0 and again.loss_history == result.loss_history
+    assert not list(run_directory.glob(f"{RAY_SNAPSHOT}.unusable-*"))
+    assert all(_weights(again)[key].equal(weights[key]) for key in weights)
 
 
 def test_relaunching_a_finished_run_reports_the_same_model_without_training(train):

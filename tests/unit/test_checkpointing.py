@@ -68,12 +68,14 @@ def test_periodic_checkpoint_restores_the_engine_and_this_ranks_rng(tmp_path):
 
 
 def _checkpoint(run_directory, name: str, step: int, world_size: int, *, model: bool = False):
-    """A checkpoint folder as Ray merges it: every rank's files, each rank's manifest last."""
+    """A checkpoint folder as Ray merges it: every rank's files, each rank's manifest last. A
+    final one (``model``) holds the model and no engine state, as the training loop writes it."""
     folder = run_directory / name
     for rank in range(world_size):
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / ENGINE_DIR).mkdir(exist_ok=True)
-        (folder / ENGINE_DIR / f"shard-{rank}.pt").write_bytes(bytes(range(256)) * (rank + 1))
+        if not model:
+            (folder / ENGINE_DIR).mkdir(exist_ok=True)
+            (folder / ENGINE_DIR / f"shard-{rank}.pt").write_bytes(bytes(range(256)) * (rank + 1))
         progress = TrainingProgress(step=step, world_size=world_size, finished=model)
         save_checkpoint(folder, RecordingEngine(), rank, progress, LOADER_STATE, engine_state=False)
         if model and rank == 0:
@@ -96,6 +98,23 @@ def test_a_checkpoint_with_a_truncated_or_missing_file_is_not_resumed_from(tmp_p
     (older / "files-1.json").unlink()  # rank 1 died before sealing
     assert verify_checkpoint_files(older, world_size=2) == ["files-1.json (missing or unreadable)"]
     assert find_latest_checkpoint(tmp_path) is None
+
+
+@pytest.mark.parametrize("lost", ["files-0.json", "progress.json"])
+def test_a_final_checkpoint_missing_a_manifest_or_its_world_size_is_not_trusted(tmp_path, lost):
+    from training_core.train.launcher import publish_model
+
+    # Rank 0 wrote the model and progress.json: with its manifest lost, rank 1's lists none of
+    # them, and a check of the manifests present alone found nothing wrong.
+    final = _checkpoint(tmp_path / "ray", "checkpoint_000003", step=30, world_size=2, model=True)
+    (final / lost).unlink()
+    problem = f"{lost} (missing or unreadable)"
+    assert problem in verify_checkpoint_files(final, only=MODEL_DIR)
+    assert problem in verify_checkpoint_files(final)
+    target = tmp_path / "trained" / "train-run"
+    with pytest.raises(RuntimeError, match=rf"{re.escape(str(final))} is damaged or incomplete.*{re.escape(problem)}"):
+        publish_model(final, target)
+    assert not target.exists()
 
 
 def test_model_files_are_checked_byte_for_byte_against_the_manifest(tmp_path):
@@ -121,7 +140,7 @@ def test_the_final_model_is_published_whole_and_replaces_an_earlier_attempt(tmp_
     assert [p.name for p in target.parent.iterdir()] == ["train-run"]  # no staging left behind
 
     (final / MODEL_DIR / "adapter_model.safetensors").write_bytes(b"weights" * 50)
-    with pytest.raises(RuntimeError, match=r"damaged model: model/adapter_model.safetensors \(truncated"):
+    with pytest.raises(RuntimeError, match=r"not published: model/adapter_model.safetensors \(truncated"):
         publish_model(final, target)
     assert (target / "adapter_model.safetensors").read_bytes() == b"weights" * 100  # left as it was
 
@@ -148,3 +167,66 @@ def test_a_ray_checkpoint_list_ray_would_refuse_or_trust_wrongly_is_set_aside(tm
     assert reason is not None and expected in reason
     assert not (tmp_path / RAY_SNAPSHOT).exists() and len(list(tmp_path.glob(f"{RAY_SNAPSHOT}.unusable-*"))) == 1
     assert find_latest_checkpoint(tmp_path) == (newest if damage in ("garbled", "other_ray") else older)
+
+
+def _finished_run(run_directory, world_size: int = 2):
+    """The two checkpoints Ray keeps of a finished run: a periodic one and the final one."""
+    periodic = _checkpoint(run_directory, "checkpoint_000002", step=20, world_size=world_size)
+    final = _checkpoint(run_directory, "checkpoint_000003", step=30, world_size=world_size, model=True)
+    return periodic, final
+
+
+def test_publishing_drops_the_engine_state_of_earlier_checkpoints_only(tmp_path):
+    from training_core.train.checkpointing import RAY_SNAPSHOT, set_aside_unusable_ray_snapshot
+    from training_core.train.launcher import publish_final_checkpoint
+
+    run = tmp_path / "ray" / "train-run"
+    periodic, final = _finished_run(run)
+    not_ours = run / "checkpoint_tmp"  # no progress.json: nothing says it is a checkpoint of ours
+    (not_ours / ENGINE_DIR).mkdir(parents=True)
+    (not_ours / ENGINE_DIR / "state.pt").write_bytes(b"x")
+    (run / RAY_SNAPSHOT).write_text(json.dumps(
+        {"ray_version": "2.60.0", "checkpoint_results": [{"checkpoint_dir_name": p.name} for p in (periodic, final)]}))
+    final_files = sorted(p.relative_to(final) for p in final.rglob("*"))
+
+    target = tmp_path / "trained" / "train-run"
+    assert publish_final_checkpoint(final, run, target) == target
+    assert (target / "adapter_model.safetensors").is_file()
+    assert not (periodic / ENGINE_DIR).exists()
+    assert (periodic / "progress.json").is_file() and (periodic / "worker-1.pt").is_file()
+    assert sorted(p.relative_to(final) for p in final.rglob("*")) == final_files
+    assert (not_ours / ENGINE_DIR / "state.pt").read_bytes() == b"x"
+    # The manifests now describe what is left: the folder verifies, so Ray's list naming it is kept
+    # on a relaunch, and the relaunch takes the finished checkpoint.
+    assert verify_checkpoint_files(periodic) == [] and verify_checkpoint_files(final) == []
+    assert set_aside_unusable_ray_snapshot(run, "2.60.0") is None
+    assert find_latest_checkpoint(run) == final
+    # Never resumed from, even when the final checkpoint is gone: it holds nothing to resume.
+    shutil.rmtree(final)
+    assert find_latest_checkpoint(run) is None
+
+
+def test_engine_state_is_kept_when_the_model_is_not_published(tmp_path):
+    from training_core.train.launcher import publish_final_checkpoint
+
+    run = tmp_path / "ray" / "train-run"
+    periodic, final = _finished_run(run)
+    (final / MODEL_DIR / "adapter_model.safetensors").write_bytes(b"weights" * 50)  # upload cut short
+    with pytest.raises(RuntimeError, match=r"not published"):
+        publish_final_checkpoint(final, run, tmp_path / "trained" / "train-run")
+    assert sorted(p.name for p in (periodic / ENGINE_DIR).iterdir()) == ["shard-0.pt", "shard-1.pt"]
+    assert find_latest_checkpoint(run) == periodic  # a relaunch resumes from it
+
+
+@pytest.mark.parametrize("final_is", ["unfinished", "in_another_folder"])
+def test_engine_state_is_dropped_only_next_to_a_finished_checkpoint(tmp_path, final_is):
+    from training_core.train.checkpointing import drop_engine_state_of_earlier_checkpoints
+
+    run = tmp_path / "ray" / "train-run"
+    older = _checkpoint(run, "checkpoint_000001", step=10, world_size=1)
+    if final_is == "unfinished":
+        final = _checkpoint(run, "checkpoint_000002", step=20, world_size=1)
+    else:
+        final = _checkpoint(tmp_path / "download", "checkpoint_000002", step=20, world_size=1, model=True)
+    assert drop_engine_state_of_earlier_checkpoints(run, final) == []
+    assert (older / ENGINE_DIR / "shard-0.pt").is_file() and verify_checkpoint_files(older) == []

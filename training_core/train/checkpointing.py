@@ -5,13 +5,16 @@ Layout of one checkpoint directory (Ray Train merges every rank's files into it)
     deepspeed/            engine.save_checkpoint(tag=ENGINE_TAG); every rank writes its shard.
                           Not in the final checkpoint: a finished run resumes nothing, and for a
                           full fine-tune the optimizer state alone is several times the model.
+                          Removed from the run's earlier checkpoints once the final model is
+                          published (`drop_engine_state_of_earlier_checkpoints`).
     worker-<rank>.pt      python / numpy / torch RNG states and the reader's state_dict
     progress.json         written by rank 0
     model/                final checkpoint only: the adapter (LoRA) or full model, save_pretrained
     files-<rank>.json     written last by each rank: size and XXH3-128 of every file it wrote
-                          (`seal_checkpoint`); a folder found on disk is trusted only when every
-                          rank's manifest is there and matches (Ray uploads ranks in parallel,
-                          and a worker killed mid-upload leaves truncated files behind)
+                          (`seal_checkpoint`); a folder found on disk is trusted only when the
+                          manifest of every rank of progress.json's world_size is there and
+                          matches (Ray uploads ranks in parallel, and a worker killed mid-upload
+                          leaves truncated files behind)
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -91,13 +95,24 @@ def seal_checkpoint(directory: Path, rank: int) -> None:
 def verify_checkpoint_files(directory: Path, *, world_size: int | None = None, only: str = "",
                             check_digests: bool = True) -> list[str]:
     """What is wrong with a checkpoint folder against its ranks' manifests ("path (missing|
-    truncated|changed)", "files-<rank>.json (missing)"), [] when nothing. `only` limits the check
-    to files under that folder; sizes alone are cheap and catch an interrupted upload."""
+    truncated|changed)", "files-<rank>.json (missing or unreadable)"), [] when nothing. `only`
+    limits the check to files under that folder; sizes alone are cheap and catch an interrupted
+    upload.
+
+    Every rank of the world that wrote the folder must have sealed it: `world_size`, or when not
+    given the one its progress.json records (a folder without a readable progress.json is
+    incomplete). The manifests present cannot tell: with rank 0's lost, rank 1's lists none of
+    rank 0's files (the model, progress.json), and the folder would look whole."""
     problems, expected = [], {}
-    ranks = range(world_size) if world_size is not None else sorted(
-        int(p.stem.removeprefix(MANIFEST_PREFIX)) for p in directory.glob(f"{MANIFEST_PREFIX}*.json")
-        if p.stem.removeprefix(MANIFEST_PREFIX).isdigit())
-    for rank in ranks:
+    if world_size is None:
+        try:
+            world_size = load_progress(directory).world_size
+        except (OSError, ValueError, TypeError, KeyError):
+            problems.append(f"{PROGRESS_FILE} (missing or unreadable)")
+            world_size = 1  # rank 0 seals every checkpoint
+    on_disk = {int(p.stem.removeprefix(MANIFEST_PREFIX)) for p in directory.glob(f"{MANIFEST_PREFIX}*.json")
+               if p.stem.removeprefix(MANIFEST_PREFIX).isdigit()}
+    for rank in sorted(set(range(max(world_size, 1))) | on_disk):
         try:
             manifest = json.loads((directory / f"{MANIFEST_PREFIX}{rank}.json").read_text())
         except (OSError, ValueError):
@@ -106,8 +121,6 @@ def verify_checkpoint_files(directory: Path, *, world_size: int | None = None, o
         for relative, (size, digest) in manifest.items():
             if relative == only or relative.startswith(f"{only}/") or not only:
                 expected.setdefault(relative, []).append((size, digest))
-    if not ranks:
-        problems.append(f"{MANIFEST_PREFIX}<rank>.json (missing)")
     for relative, versions in sorted(expected.items()):
         path = directory / relative
         if not path.is_file():
@@ -138,21 +151,88 @@ def find_latest_checkpoint(run_directory: Path) -> Path | None:
 
     Ray hands the latest *registered* checkpoint to restarted workers, but a worker that dies
     right after reporting can beat the registration; the files are already on disk, so we look.
-    Complete = progress.json plus every rank's manifest, with each listed file at its size.
+    Complete = progress.json plus every rank's manifest, with each listed file at its size; an
+    unfinished checkpoint must also hold engine state.
     """
     best: tuple[int, str, Path] | None = None
     for candidate in run_directory.glob("checkpoint_*") if run_directory.is_dir() else ():
         try:
             progress = load_progress(candidate)
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError, TypeError, KeyError):
             continue
         if problems := verify_checkpoint_files(candidate, world_size=progress.world_size, check_digests=False):
             log.warning("skipping incomplete checkpoint %s: %s", candidate, ", ".join(problems[:5]))
+            continue
+        if not progress.finished and not (candidate / ENGINE_DIR).is_dir():
+            # An earlier checkpoint of a finished run, its engine state dropped after publishing.
+            log.info("skipping checkpoint %s (step %d): it has no %s/ engine state to resume from",
+                        candidate, progress.step, ENGINE_DIR)
             continue
         key = (progress.step, candidate.name, candidate)
         if best is None or key[:2] > best[:2]:
             best = key
     return best[2] if best else None
+
+
+def drop_engine_state_of_earlier_checkpoints(run_directory: Path, final_checkpoint: Path) -> list[Path]:
+    """Delete ``deepspeed/`` from a finished run's checkpoints other than its final one; call it
+    only once the final model is published. Returns the checkpoint folders it changed.
+
+    Ray keeps the last 2 checkpoints, so the one before the final keeps DeepSpeed's engine state:
+    for a full fine-tune, the optimizer state alone is several times the model. Nothing resumes
+    from it once the final checkpoint exists (a relaunch of the finished run reports that
+    checkpoint's model again), but until the model is published a relaunch may still need it.
+    Only this run's own checkpoint folders are touched: ``checkpoint_*`` folders directly in
+    `run_directory` (which must hold `final_checkpoint`) whose progress.json reads as an unfinished
+    run at an earlier step. Each rank's manifest is then rewritten without the removed files, so
+    the folder still verifies and Ray's checkpoint list naming it is not set aside on a relaunch;
+    `find_latest_checkpoint` never resumes from it. A failure to delete is logged, not raised: the
+    model is already published."""
+    try:
+        same_run = run_directory.is_dir() and final_checkpoint.resolve().parent == run_directory.resolve()
+        final = load_progress(final_checkpoint) if same_run else None
+    except (OSError, ValueError, TypeError, KeyError):
+        final = None
+    if final is None or not final.finished:
+        log.warning("not removing earlier engine state: %s is not a finished checkpoint of run folder %s",
+                    final_checkpoint, run_directory)
+        return []
+    changed = []
+    for candidate in sorted(run_directory.glob("checkpoint_*")):
+        engine_state = candidate / ENGINE_DIR
+        if candidate.is_symlink() or candidate.resolve() == final_checkpoint.resolve() or not engine_state.is_dir() \
+                or engine_state.is_symlink():
+            continue
+        try:
+            progress = load_progress(candidate)
+        except (OSError, ValueError, TypeError, KeyError):
+            continue  # not a checkpoint we can tell is ours: left alone
+        if progress.finished or progress.step >= final.step:
+            continue
+        try:
+            # Files first, manifests after: a kill in between leaves a folder whose manifests name
+            # missing files, which is skipped on resume, never one that looks resumable.
+            shutil.rmtree(engine_state)
+            _drop_from_manifests(candidate, f"{ENGINE_DIR}/")
+        except OSError as error:
+            log.warning("could not remove the engine state of %s (step %d): %s", candidate, progress.step, error)
+            continue
+        log.info("removed the engine state of checkpoint %s (step %d): superseded by the published model",
+                 candidate, progress.step)
+        changed.append(candidate)
+    return changed
+
+
+def _drop_from_manifests(directory: Path, prefix: str) -> None:
+    for manifest_path in directory.glob(f"{MANIFEST_PREFIX}*.json"):
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError):
+            continue  # already incomplete; verification reports it
+        kept = {relative: entry for relative, entry in manifest.items() if not relative.startswith(prefix)}
+        staged = manifest_path.with_name(f".{manifest_path.name}.tmp")
+        staged.write_text(json.dumps(kept, sort_keys=True))
+        os.replace(staged, manifest_path)
 
 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of a run's registered checkpoints

@@ -16,6 +16,7 @@ from training_core.errors import ConfigError
 from training_core.storage import directory_digest, replace_directory, staging_directory
 from training_core.train.checkpointing import (
     MODEL_DIR,
+    drop_engine_state_of_earlier_checkpoints,
     load_progress,
     set_aside_unusable_ray_snapshot,
     verify_checkpoint_files,
@@ -160,7 +161,7 @@ def run_training(
         raise RuntimeError(f"training run {run_name} finished without a final checkpoint")
     with result.checkpoint.as_directory() as directory:
         progress = load_progress(Path(directory))
-        final_model = publish_model(Path(directory), output_dir / run_name)
+        final_model = publish_final_checkpoint(Path(directory), storage_path / run_name, output_dir / run_name)
     if progress.restarts:
         log.warning("training run %s resumed from checkpoint %d time(s)", run_name, progress.restarts)
     return TrainingResult(
@@ -174,12 +175,22 @@ def run_training(
     )
 
 
+def publish_final_checkpoint(checkpoint: Path, run_directory: Path, final_model: Path) -> Path:
+    """Publish the final checkpoint's model and, only once that succeeded, drop the engine state
+    of the run's earlier checkpoints: until the model is published, a relaunch may resume from it."""
+    published = publish_model(checkpoint, final_model)
+    drop_engine_state_of_earlier_checkpoints(run_directory, checkpoint)
+    return published
+
+
 def publish_model(checkpoint: Path, final_model: Path) -> Path:
     """Copy the final checkpoint's model to `final_model` through a staging folder, after checking
-    it against the checkpoint's file manifest: a killed copy or a damaged upload never becomes
-    the model a later run reuses. A model already there from an earlier attempt is replaced."""
+    it against the manifests of every rank its progress.json names: a killed copy, a damaged
+    upload or a lost manifest never becomes the model a later run reuses. A model already there
+    from an earlier attempt is replaced."""
     if problems := verify_checkpoint_files(checkpoint, only=MODEL_DIR):
-        raise RuntimeError(f"final checkpoint {checkpoint} holds a damaged model: {', '.join(problems)}")
+        raise RuntimeError(f"final checkpoint {checkpoint} is damaged or incomplete, its model is not published: "
+                           f"{', '.join(problems)}")
     with staging_directory(final_model.parent) as staging:
         shutil.copytree(checkpoint / MODEL_DIR, staging / MODEL_DIR)
         directory_digest(staging / MODEL_DIR, record_files=True)

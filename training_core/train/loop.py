@@ -315,8 +315,9 @@ def _copy_finished_model(checkpoint: Checkpoint | Path, rank: int, directory: Pa
     copies its model folder instead; the other ranks write nothing."""
     if rank == 0:
         with _checkpoint_directory(checkpoint) as source:
-            if problems := verify_checkpoint_files(source, only=MODEL_DIR):
-                raise RuntimeError(f"finished checkpoint {source} holds a damaged model: {', '.join(problems)}")
+            if problems := verify_checkpoint_files(source, only=MODEL_DIR):  # every rank's manifest, too
+                raise RuntimeError(f"finished checkpoint {source} is damaged or incomplete, its model is not "
+                                   f"reported again: {', '.join(problems)}")
             shutil.copytree(source / MODEL_DIR, directory)
 
 
