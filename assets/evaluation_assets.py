@@ -14,7 +14,9 @@ from resources.ray_cluster import connect_unless_connected, gpu_available_in_clu
 from training_core.base_model import BaseModelRef
 from training_core.data.window import DatasetWindow
 from training_core.errors import EmptyPartitionError, LineageError
-from training_core.evaluate.compare import EvaluationJob, EvaluationReport, champion_not_comparable, run_evaluation
+from training_core.evaluate.compare import (
+    CHAMPION_UNRECORDED, EvaluationJob, EvaluationReport, champion_not_comparable, run_evaluation,
+)
 from training_core.evaluate.settings import EvalSettings
 from training_core.storage import staging_directory
 from training_core.tracking import ModelRegistry
@@ -124,7 +126,7 @@ def evaluation(
         else:
             outcome = run_evaluation(job)
     report = EvaluationReport(outcome.base, outcome.trained, lora_adapter.model_dir, lora_adapter.mlflow_run_id,
-                              outcome.champion)
+                              outcome.champion, champion_run_id=champion.run_id if champion else None)
     gates = [_beats_base_model(report, config.max_loss_ratio),
              _not_worse_than_champion(report, champion.run_id if champion else None, config.champion_tolerance,
                                       not_comparable)]
@@ -206,7 +208,14 @@ def promoted_model(context: dg.AssetExecutionContext, mlflow_tracker: MlflowTrac
             f"{context.partition_key} failed {', '.join(evaluation.failed_gates)}; {CHAMPION_ALIAS} stays where it "
             "is (see that evaluation's asset checks, or rematerialize evaluation with other gate settings)"
         )
+    if evaluation.champion_run_id == CHAMPION_UNRECORDED:
+        raise dg.Failure(
+            f"the evaluation of partition {context.partition_key} (MLflow run {evaluation.mlflow_run_id}) does not "
+            f"record which {CHAMPION_ALIAS} it was compared with (stored before that was recorded); rematerialize "
+            f"evaluation for this partition, then promoted_model; {CHAMPION_ALIAS} stays where it is"
+        )
     registry = ModelRegistry(mlflow_tracker.client(), REGISTERED_MODEL, CHAMPION_ALIAS)
+    _refuse_if_champion_moved(registry, evaluation, context.partition_key)
     version, changed = registry.promote(evaluation.mlflow_run_id)
     context.log.info("%s version %s is %s %s", REGISTERED_MODEL, version, "now" if changed else "still", CHAMPION_ALIAS)
     return dg.Output(
@@ -214,4 +223,22 @@ def promoted_model(context: dg.AssetExecutionContext, mlflow_tracker: MlflowTrac
         metadata={"registered_model": REGISTERED_MODEL, "version": version, "alias": CHAMPION_ALIAS,
                   "alias_moved": changed, "mlflow_run_id": evaluation.mlflow_run_id,
                   "model_kind": registry.model_kind(evaluation.mlflow_run_id)},
+    )
+
+
+def _refuse_if_champion_moved(registry: ModelRegistry, evaluation: EvaluationReport, partition_key: str) -> None:
+    """The gate compared this model with the champion of its evaluation; a champion promoted since
+    (another day of a backfill, a run launched in parallel) was never compared with it, so moving
+    the alias now could replace a better model. Promoting the current champion again stays a no-op."""
+    current = registry.champion()
+    current_run = current.run_id if current is not None else None
+    if current_run in (evaluation.champion_run_id, evaluation.mlflow_run_id):
+        return
+    compared = (f"champion run {evaluation.champion_run_id}" if evaluation.champion_run_id
+                else f"no {CHAMPION_ALIAS} (there was none yet)")
+    now = f"{REGISTERED_MODEL} version {current.version} (MLflow run {current_run})" if current is not None else "none"
+    raise dg.Failure(
+        f"not promoting MLflow run {evaluation.mlflow_run_id}: the evaluation of partition {partition_key} compared it "
+        f"with {compared}, but {CHAMPION_ALIAS} is now {now}; rematerialize evaluation for this partition, then "
+        f"promoted_model, to compare with the current {CHAMPION_ALIAS}; {CHAMPION_ALIAS} stays where it is"
     )

@@ -19,6 +19,12 @@ os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 
 import pytest  # noqa: E402
 
+# CPython 3.11.7 can fail a later ast.parse with "AST constructor recursion depth mismatch" (a
+# CPython bug, fixed in later releases). Hypothesis's pytest plugin imports hypothesis, through
+# pytest's assertion rewriter, only in the terminal summary when no test imported it, and that
+# parse turned a green single-process run (a file alone, `make test-fast`) into exit code 1.
+import hypothesis  # noqa: E402, F401
+
 from training_core.base_model import TinyLlamaSpec, build_demo_model, load_tokenizer  # noqa: E402
 from training_core.data.dataset_writer import DatasetSpec, write_dataset  # noqa: E402
 from training_core.data.demo_task import generate_records, tokenizer_corpus  # noqa: E402

@@ -17,7 +17,7 @@ from training_core.data.dataset_writer import DatasetSpec, write_dataset
 from training_core.data.demo_task import generate_records
 from training_core.data.packing import is_eval_example
 from training_core.errors import EmptyPartitionError
-from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
+from training_core.evaluate.compare import CHAMPION_UNRECORDED, EvaluationReport, evaluate_against_base
 from training_core.evaluate.model_folder import TrainedModelError, check_trained_model_dir
 from training_core.errors import ConfigError
 from training_core.evaluate.on_ray import task_resources
@@ -168,20 +168,63 @@ class _UnreachableTracker:
         raise AssertionError("the registry was consulted for a promotion its gates refuse")
 
 
-@pytest.mark.parametrize("failed_gates, named", [
-    (("not_worse_than_champion",), "failed not_worse_than_champion"),
-    (None, "carries no gate results"),
+@pytest.mark.parametrize("failed_gates, champion_run_id, named", [
+    (("not_worse_than_champion",), "champ", "failed not_worse_than_champion"),
+    (None, "champ", "carries no gate results"),
+    ((), CHAMPION_UNRECORDED, "does not record which champion it was compared with"),
 ])
-def test_a_promotion_launched_on_its_own_refuses_an_evaluation_whose_gates_failed(failed_gates, named):
+def test_a_promotion_launched_on_its_own_refuses_an_evaluation_whose_gates_failed(failed_gates, champion_run_id,
+                                                                                 named):
     # In the evaluating run, blocking checks skip promoted_model; launched later by itself it must
     # read the verdict off the evaluation instead of moving the champion.
     from dataclasses import replace
 
-    report = replace(_report(trained_loss=1.9, champion_loss=1.7), failed_gates=failed_gates)
+    report = replace(_report(trained_loss=1.9, champion_loss=1.7), failed_gates=failed_gates,
+                     champion_run_id=champion_run_id)
     context = dg.build_asset_context(partition_key="2026-11-01")
     with pytest.raises(dg.Failure, match=named) as refused:
         promoted_model(context, mlflow_tracker=_UnreachableTracker(), evaluation=report)
     assert "2026-11-01" in str(refused.value) and "champion stays where it is" in str(refused.value)
+
+
+def test_promotion_refuses_when_the_champion_moved_since_the_evaluation_compared_with_it(tmp_path, adapter_dir):
+    # Two days of a backfill evaluated in parallel against the same champion: the first to promote
+    # moves the alias; the second was never compared with that model, so it must not replace it.
+    from dataclasses import replace
+
+    from assets.evaluation_assets import CHAMPION_ALIAS, REGISTERED_MODEL
+    from resources import MlflowTracker, TesseraStorage
+    from training_core.tracking import ModelRegistry
+
+    tracking = (mlflow_tracker := MlflowTracker(storage=TesseraStorage(home=str(tmp_path / "home")))).client()
+    registry = ModelRegistry(tracking, REGISTERED_MODEL, CHAMPION_ALIAS)
+    runs = {}
+    for name in ("day-1", "day-2", "day-3"):
+        runs[name] = tracking.start_run(name, tags={})
+        tracking.client.log_artifacts(runs[name], str(adapter_dir), "model")
+
+    def promote(run: str, compared_with: str | None):
+        report = replace(_report(trained_loss=1.0), mlflow_run_id=runs[run], failed_gates=(),
+                         champion_run_id=runs.get(compared_with))
+        return promoted_model(dg.build_asset_context(partition_key="2026-11-02"), mlflow_tracker=mlflow_tracker,
+                              evaluation=report).value
+
+    assert promote("day-1", compared_with=None).run_id == runs["day-1"]  # no champion yet, none then
+    with pytest.raises(dg.Failure) as refused:  # day-2 was evaluated before day-1 became champion
+        promote("day-2", compared_with=None)
+    assert str(refused.value) == (
+        f"not promoting MLflow run {runs['day-2']}: the evaluation of partition 2026-11-02 compared it with no champion "
+        f"(there was none yet), but champion is now {REGISTERED_MODEL} version 1 (MLflow run {runs['day-1']}); "
+        "rematerialize evaluation for this partition, then promoted_model, to compare with the current champion; "
+        "champion stays where it is")
+    assert registry.champion().run_id == runs["day-1"]
+
+    assert promote("day-3", compared_with="day-1").run_id == runs["day-3"]  # compared with the champion: moves
+    with pytest.raises(dg.Failure, match=f"compared it with champion run {runs['day-1']}, but champion is now "):
+        promote("day-2", compared_with="day-1")
+    assert registry.champion().run_id == runs["day-3"]
+    assert promote("day-3", compared_with="day-1").run_id == runs["day-3"]  # promoting the champion again: no-op
+    assert str(registry.champion().version) == "2"
 
 
 # --- comparing with the champion ------------------------------------------------------------------

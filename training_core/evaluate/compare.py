@@ -14,6 +14,9 @@ from training_core.evaluate.model_folder import check_trained_model_dir
 from training_core.evaluate.results import EvalMetrics
 from training_core.evaluate.settings import EvalSettings
 
+# What a report stored before it recorded its champion reads as (it cannot be promoted safely).
+CHAMPION_UNRECORDED = "(not recorded)"
+
 
 @dataclass(frozen=True)
 class EvaluationReport:
@@ -26,6 +29,10 @@ class EvaluationReport:
     # (`tessera reproduce`, or a report stored before gates were recorded). Promotion reads it, so a
     # promotion launched on its own still honours the gates of the evaluation it promotes.
     failed_gates: tuple[str, ...] | None = None
+    # The MLflow run of the champion when this evaluation judged its gates (None: there was none).
+    # Promotion moves the alias only while it still points there: a champion that moved since (a
+    # later day promoted by a parallel backfill run) was never compared with this model.
+    champion_run_id: str | None = CHAMPION_UNRECORDED
 
     @property
     def loss_ratio(self) -> float:
