@@ -159,12 +159,23 @@ def _content_files(directory: Path, exclude_hidden: bool) -> Iterator[tuple[str,
 
 def changed_files(directory: Path, record: Path | None = None) -> list[str] | None:
     """What differs from the ``FILE_DIGESTS`` recorded at publication ("path (changed|added|
-    removed)"), or None when the directory has no record (published before it was kept).
+    removed)"), or None when the directory has no usable record: published before it was kept, or
+    a record that is unreadable (emptied or truncated by a crash, edited by hand), which is named in
+    a warning and then treated like a missing one, never trusted and never a traceback.
     ``record``: a record kept outside the directory (:func:`outside_record`)."""
     recorded_path = record or directory / FILE_DIGESTS
     if not recorded_path.is_file():
         return None
-    recorded = json.loads(recorded_path.read_text())
+    try:
+        recorded = json.loads(recorded_path.read_text())
+    except (OSError, ValueError) as error:
+        log.warning("file digest record %s is unreadable (%s): treating %s as unverified", recorded_path, error,
+                    directory)
+        return None
+    if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
+        log.warning("file digest record %s is not a mapping of file names to digests: treating %s as unverified",
+                    recorded_path, directory)
+        return None
     current = {}
     for relative, path in _content_files(directory, exclude_hidden=True):
         hasher = xxhash.xxh3_128()

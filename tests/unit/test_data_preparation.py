@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from hypothesis import given, settings
 from hypothesis import strategies as st
+import pytest
 
 from training_core.base_model import load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, read_eval_records, write_dataset
@@ -241,7 +242,8 @@ def test_publishing_over_a_damaged_copy_replaces_it(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [final.name]
 
 
-def test_a_published_copy_whose_digest_record_is_gone_is_replaced_not_trusted(tmp_path, caplog):
+@pytest.mark.parametrize("record_damage", ["deleted", "emptied", "not a mapping"])
+def test_a_published_copy_whose_digest_record_is_gone_is_replaced_not_trusted(tmp_path, caplog, record_damage):
     from training_core.storage import FILE_DIGESTS, changed_files, directory_digest, publish_directory, staging_directory
 
     def publish() -> Path:
@@ -251,12 +253,18 @@ def test_a_published_copy_whose_digest_record_is_gone_is_replaced_not_trusted(tm
             return publish_directory(staging, tmp_path / digest[:16])
 
     final = publish()
-    (final / FILE_DIGESTS).unlink()
+    record = final / FILE_DIGESTS
+    if record_damage == "deleted":
+        record.unlink()
+    else:  # a crash left it empty, or someone edited it: unreadable is no record, never a traceback
+        record.write_text("" if record_damage == "emptied" else "[1, 2]")
     (final / "part-0.parquet").unlink()  # damage nobody can see without the record
     with caplog.at_level("WARNING", logger="training_core.storage"):
         assert publish() == final
     assert (final / "part-0.parquet").read_bytes() == b"rows" and changed_files(final) == []
     assert f"{final} is not as published (no {FILE_DIGESTS} to verify it against): replacing it" in caplog.text
+    if record_damage != "deleted":
+        assert f"file digest record {record} is" in caplog.text
 
 
 def _overlong_prompt(in_eval: bool, eval_fraction: float = 0.05) -> str:

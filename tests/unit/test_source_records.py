@@ -125,6 +125,15 @@ def test_csv_errors_name_the_line_the_row_starts_on(tmp_path):
     path.write_text('prompt,response\nfine,row\n"never closed,x\n')
     with pytest.raises(SourceDataError, match=r"line 3 of .*a\.csv: malformed CSV \(unexpected end of data\)"):
         read_records(path)
+    path.write_text("prompt,response\nsay hi,hello, world\n")  # the response would lose ", world"
+    with pytest.raises(SourceDataError, match=r"line 2 of .*a\.csv: 3 cells but the header has 2 columns "
+                                              r"\(an unquoted comma\? quote fields that contain commas\)"):
+        read_records(path)
+    path.write_text("prompt,response\nsay hi,hello,,\n")  # empty trailing cells hold nothing to lose
+    assert read_records(path) == [{"prompt": "say hi", "response": "hello"}]
+    path.write_text("prompt,response,prompt\nfirst,answer,second\n")  # one prompt would silently win
+    with pytest.raises(SourceDataError, match=r"line 1 of .*a\.csv: column\(s\) \['prompt'\] appear more than once"):
+        read_records(path)
     path.write_text("question;answer\nq;a\n")
     with pytest.raises(SourceDataError, match=r"header lacks column\(s\) \['prompt', 'response'\]; it has \['question;answer'\]"):
         read_records(path)

@@ -130,6 +130,9 @@ def _read_csv(path: Path) -> Iterator[tuple[dict[str, str], int]]:
     missing = [f for f in REQUIRED_FIELDS if f not in header]
     if missing:
         raise SourceDataError(f"{path}: header lacks column(s) {missing}; it has {header}")
+    # A repeated name would keep only its last column's cells, silently.
+    if repeated := sorted({name for name in header if header.count(name) > 1}):
+        raise SourceDataError(f"line 1 of {path}: column(s) {repeated} appear more than once in the header {header}")
     while True:
         line_number = reader.line_num + 1  # where the next row starts (a quoted field may span lines)
         try:
@@ -140,6 +143,11 @@ def _read_csv(path: Path) -> Iterator[tuple[dict[str, str], int]]:
             raise SourceDataError(f"line {line_number} of {path}: malformed CSV ({error})") from error
         if not cells:
             continue  # blank line
+        # zip would drop extra cells: a response cut at an unquoted comma. Empty ones (a trailing
+        # comma a spreadsheet left) hold nothing to lose.
+        if len(cells) > len(header) and any(cells[len(header):]):
+            raise SourceDataError(f"line {line_number} of {path}: {len(cells)} cells but the header has {len(header)} "
+                                  "columns (an unquoted comma? quote fields that contain commas)")
         yield _validated(dict(zip(header, cells)), f"line {line_number} of {path}"), line_number
 
 
