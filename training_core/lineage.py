@@ -6,8 +6,11 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
+
+from training_core.errors import ConfigError
 
 TRACKED_PACKAGES = ("torch", "deepspeed", "transformers", "peft", "ray", "pyarrow")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +46,7 @@ def code_version(repo_root: Path = REPO_ROOT) -> str:
 # dependencies: the code a run executes, wherever it is installed.
 CODE_PACKAGES = ("pipelines", "assets", "ops", "resources", "training_core", "bench", "deploy")
 CODE_VERSION_ENV = "TESSERA_CODE_VERSION"
+_CODE_VERSION_LABEL = re.compile(r"[\w.+=:/@-]{1,100}")
 
 
 def installed_code_version(repo_root: Path = REPO_ROOT) -> str:
@@ -51,7 +55,11 @@ def installed_code_version(repo_root: Path = REPO_ROOT) -> str:
     `tessera==<version>`; the hash covers every Python file of Tessera's packages and pyproject.toml,
     so two images built from different code never share a version (and so never reuse each other's
     runs) even when nobody bumped the package version or passed the build argument."""
-    label = os.environ.get(CODE_VERSION_ENV, "").strip() or f"tessera=={installed_version('tessera')}"
+    label = os.environ.get(CODE_VERSION_ENV, "").strip()
+    if label and not _CODE_VERSION_LABEL.fullmatch(label):  # it goes into MLflow search filters
+        raise ConfigError(f"{CODE_VERSION_ENV}={label!r}: a code version label is a git sha or tag (letters, "
+                          "digits and . _ - + = : / @, at most 100 characters)")
+    label = label or f"tessera=={installed_version('tessera')}"
     return f"{label}+src-{_source_digest(repo_root)}"
 
 

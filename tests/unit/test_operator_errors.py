@@ -86,6 +86,9 @@ def test_code_version_outside_a_git_checkout_hashes_the_sources_an_image_holds(t
 
     monkeypatch.setenv(CODE_VERSION_ENV, "0123abc")  # the build argument: the sha it was built from
     assert code_version(image) == "0123abc+src-" + second.rsplit("+src-", 1)[1]
+    monkeypatch.setenv(CODE_VERSION_ENV, "release 'one'")  # would break the MLflow search for reusable runs
+    with pytest.raises(ConfigError, match=r"TESSERA_CODE_VERSION=\"release 'one'\": a code version label is a git sha"):
+        code_version(image)
 
 
 # --- tessera reproduce: exit 2 when it cannot reproduce, whatever the cause ---------------------
