@@ -12,7 +12,10 @@ from pathlib import Path
 
 from training_core.errors import ConfigError
 
-TRACKED_PACKAGES = ("torch", "deepspeed", "transformers", "peft", "ray", "pyarrow")
+# Packages whose version can change a training result; numpy draws the data order (its Generator
+# streams are not promised stable across versions). Their versions are in every lineage record,
+# and their digest is part of what decides whether a run is reused or resumed (runs.REUSE_KEYS).
+TRACKED_PACKAGES = ("torch", "deepspeed", "transformers", "peft", "ray", "pyarrow", "numpy")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -95,6 +98,13 @@ def package_versions() -> dict[str, str]:
     return {f"version_{name}": importlib.metadata.version(name) for name in TRACKED_PACKAGES}
 
 
+def environment_digest(versions: dict[str, str]) -> str:
+    """One value for the tracked package versions (`package_versions()`): an upgrade within the
+    ranges pyproject.toml allows changes it, so the same inputs train afresh instead of reusing, or
+    resuming the checkpoints of, a run made with other libraries."""
+    return hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def installed_version(package: str) -> str:
     """The installed version, or "not installed" (a recorded run may name a package this
     environment no longer has)."""
@@ -131,6 +141,7 @@ def build_lineage_record(
     partition_keys: list[str],
 ) -> dict[str, str]:
     """The contract record (DESIGN.md), as strings: logged as MLflow params of every training run."""
+    versions = package_versions()
     return {
         "seed": str(seed),
         "data_seed": str(data_seed),
@@ -144,5 +155,6 @@ def build_lineage_record(
         "code_version": code_version(),
         "dagster_run_id": dagster_run_id,
         "partition_keys": ",".join(partition_keys),
-        **package_versions(),
+        **versions,
+        "environment_digest": environment_digest(versions),
     }

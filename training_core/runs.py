@@ -80,8 +80,11 @@ class TrackedRun:
     reused: bool = False  # an earlier finished run had the same inputs, config and code
 
 
-# Inputs that fully determine a CPU training result; equal values ⇒ the earlier result is reused.
-REUSE_KEYS = ("dataset_digest", "base_model_digest", "config_digest", "code_version", "cache_version")
+# Inputs that fully determine a CPU training result; equal values ⇒ the earlier result is reused
+# (and the same Ray run name resumes its checkpoints). The environment digest covers the library
+# versions (lineage.TRACKED_PACKAGES): runs recorded before it are not reused, they train once more.
+REUSE_KEYS = ("dataset_digest", "base_model_digest", "config_digest", "code_version", "cache_version",
+              "environment_digest")
 
 
 def find_reusable_run(tracking: MlflowTracking, lineage: dict[str, str]) -> TrackedRun | None:

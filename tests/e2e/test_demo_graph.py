@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 LINEAGE_KEYS = {
     "seed", "data_seed", "dataset_digest", "cache_version", "base_model", "base_model_digest", "config_digest",
     "code_version", "dagster_run_id", "partition_keys", "version_torch", "version_deepspeed",
-    "version_transformers", "version_peft", "version_ray", "version_pyarrow",
+    "version_transformers", "version_peft", "version_ray", "version_pyarrow", "version_numpy", "environment_digest",
 }
 
 

@@ -42,9 +42,37 @@ def test_a_finished_run_is_reused_only_while_its_model_is_as_published(tmp_path:
     reused = find_reusable_run(tracking, lineage)
     assert reused is not None and reused.mlflow_run_id == run_id and reused.result.model_dir == str(model)
     assert find_reusable_run(tracking, {**lineage, "code_version": "other"}) is None
+    # Other library versions (an in-range upgrade of transformers, numpy, ...): trained afresh.
+    assert find_reusable_run(tracking, {**lineage, "environment_digest": "other"}) is None
 
     (model / "adapter_model.safetensors").write_bytes(b"")  # emptied by hand, or a killed copy
     assert find_reusable_run(tracking, lineage) is None
+
+
+def test_library_versions_decide_reuse_and_the_ray_run_name(monkeypatch):
+    import training_core.lineage as lineage_module
+    from training_core.runs import REUSE_KEYS, TrainingInputs, ray_run_name
+
+    def record() -> dict[str, str]:
+        return lineage_module.build_lineage_record(
+            seed=0, data_seed=0, dataset_digest="d" * 64, dataset_paths=["/data/day"], cache_version="c",
+            base_model="/models/base", base_model_digest="b" * 64, config_digest="f" * 64, dagster_run_id="r",
+            partition_keys=["2026-11-01"])
+
+    installed = record()
+    assert "environment_digest" in REUSE_KEYS and "version_numpy" in installed  # numpy draws the data order
+    assert installed["environment_digest"] == lineage_module.environment_digest(
+        {key: value for key, value in installed.items() if key.startswith("version_")})
+    assert record()["environment_digest"] == installed["environment_digest"]  # deterministic
+
+    upgraded_versions = {**lineage_module.package_versions(), "version_transformers": "5.99.0"}
+    monkeypatch.setattr(lineage_module, "package_versions", lambda: upgraded_versions)
+    upgraded = record()
+    assert upgraded["environment_digest"] != installed["environment_digest"]
+    inputs = TrainingInputs(base_model="/models/base", base_model_digest="b" * 64, dataset_paths=["/data/day"],
+                            dataset_digest="d" * 64, seq_len=64, cache_directory=None, cache_version="c",
+                            partition_keys=["2026-11-01"])
+    assert ray_run_name(inputs, upgraded) != ray_run_name(inputs, installed)  # never resumes the old checkpoints
 
 
 def test_a_promotion_killed_before_the_alias_moved_is_finished_without_a_second_version(tmp_path: Path):
