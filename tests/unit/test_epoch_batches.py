@@ -1,6 +1,7 @@
 """EpochBatches: the training loop's batches over several epochs, from one reader."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -90,6 +91,54 @@ def test_a_state_saved_at_an_epochs_end_resumes_in_the_next_epoch(packed):
         rest.append(_rows(batch))
     resumed.close()
     assert rest == rest_uninterrupted and len(rest) == per_epoch
+
+
+def _drain(batches: EpochBatches) -> list[list[int]]:
+    rows = []
+    while (batch := batches.next()) is not None:
+        rows.append(_rows(batch))
+    return rows
+
+
+@pytest.mark.parametrize("max_epochs", [1, 2])
+def test_a_state_saved_after_the_last_batch_of_the_last_epoch_resumes_with_nothing_left(packed, max_epochs):
+    # After the last batch of an epoch the reader already points at the next epoch: a checkpoint
+    # taken then must not resume into an epoch past max_epochs.
+    config = _config(max_epochs=max_epochs)
+    first = EpochBatches(packed, config, 0, config.num_workers, 0, None)
+    per_epoch = ROWS // config.num_workers // config.micro_batch_size
+    for _ in range(per_epoch * max_epochs):
+        assert first.next() is not None
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint stores it
+    assert first.next() is None and first.epoch == max_epochs
+    first.close()
+    assert state["epoch"] == max_epochs and state["samples_in_epoch"] == 0
+
+    resumed = EpochBatches(packed, config, 0, config.num_workers, 0, state)
+    assert resumed.epoch == max_epochs
+    assert resumed.next() is None and resumed.next() is None
+    assert resumed.state_dict() == state
+    resumed.close()
+
+
+@pytest.mark.parametrize("max_epochs", [1, 2])
+def test_resuming_after_any_batch_continues_the_uninterrupted_sequence_exactly(packed, max_epochs):
+    config = _config(max_epochs=max_epochs)
+    uninterrupted_batches = EpochBatches(packed, config, 0, config.num_workers, 0, None)
+    uninterrupted = _drain(uninterrupted_batches)
+    uninterrupted_batches.close()
+    assert len(uninterrupted) == max_epochs * (ROWS // config.num_workers // config.micro_batch_size)
+
+    for stop in range(len(uninterrupted) + 1):
+        first = EpochBatches(packed, config, 0, config.num_workers, 0, None)
+        before = [_rows(first.next()) for _ in range(stop)]
+        state = json.loads(json.dumps(first.state_dict()))
+        first.close()
+        resumed = EpochBatches(packed, config, 0, config.num_workers, 0, state)
+        after = _drain(resumed)
+        resumed.close()
+        assert before + after == uninterrupted, f"resumed after batch {stop}"
+        assert resumed.epoch == max_epochs
 
 
 def test_the_dataset_is_listed_once_for_all_epochs(packed, monkeypatch):

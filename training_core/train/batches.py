@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -19,18 +20,17 @@ class EpochBatches:
     One reader for the whole run: the dataset listing and footers are read, and the cache opened,
     once, and the reader's buffer pools stay warm across epochs (a new reader per epoch cost
     ~11 ms at every epoch boundary on a local warm cache, more where listing a store is slow).
-    `state_dict()` is the reader's global position, so a checkpoint resumes on the exact batch.
+    `state_dict()` is the reader's global position, so a checkpoint resumes on the exact batch;
+    `max_epochs` is checked before every epoch starts, a resumed one included.
     """
 
     def __init__(self, inputs, config: TrainingConfig, rank: int, world_size: int, epoch: int, state: dict | None):
         self._inputs, self._config = inputs, config
         self._rank, self._world_size = rank, world_size
-        self.epoch = epoch
         self._reader = self._open(epoch)
         if state is not None:
-            self._reader.load_state_dict(state)
-            self.epoch = self._reader.epoch  # one past the state's, when it was saved at an epoch's end
-        self._iterator = iter(self._reader)
+            self._reader.load_state_dict(state)  # its epoch is one past the saved one after an epoch's last batch
+        self._iterator = self._start_epoch()
 
     def _open(self, epoch: int) -> RowGroupReader:
         inputs, config = self._inputs, self._config
@@ -51,9 +51,20 @@ class EpochBatches:
             drop_last=True,  # every rank takes the same number of steps (DDP / ZeRO need lockstep)
         )
 
+    def _start_epoch(self) -> Iterator[dict] | None:
+        """The reader's current epoch, or None once `max_epochs` are done. Every epoch starts here,
+        a resumed one included: a state saved after the last batch of the last epoch already points
+        past it, and serving that epoch would train one more than an uninterrupted run."""
+        self.epoch = self._reader.epoch
+        if self._config.max_epochs is not None and self.epoch >= self._config.max_epochs:
+            return None
+        return iter(self._reader)
+
     def next(self) -> dict[str, torch.Tensor] | None:
         """The next batch, rolling into the next epoch; None once `max_epochs` are done."""
         for _ in range(2):
+            if self._iterator is None:
+                return None
             batch = next(self._iterator, None)
             if batch is not None:
                 for name in TRAINING_COLUMNS:
@@ -63,10 +74,7 @@ class EpochBatches:
                             f"lengths in epoch {self._reader.epoch}; training needs every row to hold the same number of tokens"
                         )
                 return {name: torch.from_numpy(batch[name]).long() for name in TRAINING_COLUMNS}
-            self.epoch = self._reader.epoch  # an epoch that ends moves the reader to the next one
-            if self._config.max_epochs is not None and self.epoch >= self._config.max_epochs:
-                return None
-            self._iterator = iter(self._reader)
+            self._iterator = self._start_epoch()  # an epoch that ends moves the reader to the next one
         raise RuntimeError(f"epoch {self.epoch} of {self._inputs.train_dirs} yields no batch of {self._config.micro_batch_size} rows for rank {self._rank}")
 
     def state_dict(self) -> dict:
