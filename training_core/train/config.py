@@ -15,6 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from training_core.errors import ConfigError
 
 
+# A worker of rank r seeds torch with seed + r, and torch takes at most 2**64 - 1: the largest signed 64-bit
+# integer leaves room for any number of ranks. data_seed needs no bound: NumPy's SeedSequence takes any
+# non-negative integer, and the loader passes it in a list ([seed, epoch, ...]), never adds to it.
+MAX_SEED = 2**63 - 1
+
+
 class LoraSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -66,7 +72,7 @@ class TrainingConfig(BaseModel):
     report_every_steps: int = Field(10, gt=0, description="unused (kept for recorded configs): every step's loss is "
                                     "logged, reported to Ray with each checkpoint")
     checkpoint_every_steps: int = Field(50, gt=0)
-    seed: int = Field(0, ge=0, description="model/LoRA init and dropout (per rank: seed + rank)")
+    seed: int = Field(0, ge=0, description="model/LoRA init and dropout (per rank: seed + rank); at most 2**63 - 1")
     data_seed: int = Field(0, ge=0, description="data order (NumPy's generator takes no negative seed)")
 
     num_workers: int = Field(2, gt=0, description="Ray Train workers (one process each)")
@@ -87,6 +93,14 @@ class TrainingConfig(BaseModel):
     def _positive_batch(cls, value: int) -> int:
         if value <= 0:
             raise ValueError(f"micro_batch_size must be > 0, got {value}")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_fits_torch(cls, value: int) -> int:
+        if value > MAX_SEED:
+            raise ValueError(f"seed must be at most 2**63 - 1 = {MAX_SEED} (each worker seeds torch with "
+                             f"seed + rank, and torch takes at most 2**64 - 1), got {value}")
         return value
 
     @field_validator("zero_stage")

@@ -6,6 +6,7 @@ import re
 
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.pytorch_utils import Conv1D
 
 from training_core.errors import ConfigError
 from training_core.train.config import TrainingConfig
@@ -57,41 +58,95 @@ def apply_method(model, config: TrainingConfig):
     return get_peft_model(model, peft_config)
 
 
+# What PEFT's LoRA can wrap (its default dispatcher). bitsandbytes' 4- and 8-bit layers subclass nn.Linear,
+# and on the driver's meta skeleton every linear layer is a plain nn.Linear.
+_LORA_LAYERS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+                torch.nn.MultiheadAttention, Conv1D)
+# Containers are never called themselves, so PEFT refuses to train one in full in their place.
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
+
+
 def check_module_names(config: TrainingConfig, model) -> None:
-    """Every module the LoRA settings name exists in ``model``; else a ConfigError naming them and the
-    model's top-level modules. PEFT would skip a missing modules_to_save silently (those weights would
-    not train) and fail on a missing target module only inside a worker, once per Ray retry."""
+    """Every module the LoRA settings name exists in ``model`` and is one PEFT can use; else a ConfigError
+    naming the field, the modules and what to name instead. PEFT would skip a missing modules_to_save
+    silently (those weights would not train), and fail on the others only inside a worker, once per Ray
+    retry. The matching is PEFT's (0.21): a list entry picks the modules of that name (exact, or after a
+    '.'), any other string than 'all-linear' the modules whose full name it matches; a modules_to_save
+    entry picks every module whose name ends with it, and keeps LoRA off those modules and all inside them."""
     if config.method == "full":
         return
-    names = [module for module, _ in model.named_modules()]
+    modules = {name: module for name, module in model.named_modules() if name}  # PEFT never wraps the root
+    names = list(modules)
+
+    def named(entry: str, name: str) -> bool:
+        return name == entry or name.endswith(f".{entry}")
 
     def missing(wanted: list[str]) -> list[str]:
-        return [name for name in wanted if not any(module == name or module.endswith(f".{name}") for module in names)]
+        return [entry for entry in wanted if not any(named(entry, name) for name in names)]
 
+    saved = config.lora.modules_to_save or []
     top_level = [name for name, _ in model.named_children()]
-    if absent := missing(config.lora.modules_to_save or []):
+    if absent := missing(saved):
         raise ConfigError(f"lora.modules_to_save {absent}: no module of that name in the base model "
                           f"(top-level modules: {top_level}); for a pretrained base, set it to [] (LoRA only)")
+    copied = [name for name in names if any(name.endswith(entry) for entry in saved)]
+    if containers := [name for name in copied if isinstance(modules[name], _CONTAINERS)]:
+        raise ConfigError(f"lora.modules_to_save {saved} picks containers, which hold other modules and are never "
+                          f"called themselves, so PEFT cannot train them in full: {_described(containers, modules)}; "
+                          f"name the modules inside instead")
+
     target = config.lora.target_modules
-    linear = sorted({module.rsplit(".", 1)[-1] for module, layer in model.named_modules()
-                     if isinstance(layer, torch.nn.Linear)})
-    if isinstance(target, list) and (absent := missing(target)):
-        raise ConfigError(f"lora.target_modules {absent}: no module of that name in the base model "
-                          f"(its linear layers: {linear})")
-    if isinstance(target, str) and target != "all-linear":
+    linear = sorted({name.rsplit(".", 1)[-1] for name, layer in modules.items() if isinstance(layer, torch.nn.Linear)})
+    if isinstance(target, list):
+        if absent := missing(target):
+            raise ConfigError(f"lora.target_modules {absent}: no module of that name in the base model "
+                              f"(its linear layers: {linear})")
+        chosen = [name for name in names if any(named(entry, name) for entry in target)]
+    elif target == "all-linear":
+        # PEFT leaves out the output layer (lm_head); all the others are linear, so only modules_to_save matters.
+        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        chosen = [name for name, layer in modules.items() if isinstance(layer, (torch.nn.Linear, Conv1D))
+                  and layer is not output]
+    else:
         # PEFT reads any other string as a regular expression that must match whole module names.
         try:
             pattern = re.compile(target)
         except re.error as error:
             raise ConfigError(f"lora.target_modules {target!r} is neither 'all-linear' nor a valid regular "
                               f"expression ({error})") from None
-        if not any(pattern.fullmatch(name) for name in names):
+        chosen = [name for name in names if pattern.fullmatch(name)]
+        if not chosen:
             example = next((name for name in names if linear and name.endswith(f".{linear[0]}")), "")
             raise ConfigError(
                 f"lora.target_modules {target!r}: PEFT reads a string other than 'all-linear' as a regular expression "
                 f"over full module names (such as {example!r}) and this one matches none; use 'all-linear' or a "
                 f"list of names (its linear layers: {linear})"
             )
+
+    def kept_whole(name: str) -> bool:  # in modules_to_save, or inside a module that is
+        return any(f".{name}.".find(f".{entry}.") >= 0 for entry in saved)
+
+    wrapped = [name for name in chosen if not kept_whole(name)]
+    if not wrapped:
+        raise ConfigError(f"lora.target_modules {target!r}: every module it selects ({_described(chosen, modules)}) "
+                          f"is in or inside lora.modules_to_save {saved}, which PEFT trains in full without LoRA, "
+                          f"so LoRA would adapt nothing; target other modules or save fewer")
+    eligible = sorted({name.rsplit(".", 1)[-1] for name, layer in modules.items()
+                       if isinstance(layer, _LORA_LAYERS) and not kept_whole(name)})
+    if unsupported := [name for name in wrapped if not isinstance(modules[name], _LORA_LAYERS)]:
+        raise ConfigError(f"lora.target_modules {target!r} selects modules LoRA cannot wrap: "
+                          f"{_described(unsupported, modules)}; PEFT's LoRA wraps only Linear, Embedding, Conv1d/2d/3d, "
+                          f"Conv1D and MultiheadAttention layers (in this model: {eligible})")
+    if clash := sorted(set(copied) & set(wrapped)):
+        raise ConfigError(f"lora.modules_to_save {saved} also picks {_described(clash, modules)} (PEFT matches the end "
+                          f"of a name, not a whole part), which lora.target_modules gives a LoRA adapter; PEFT "
+                          f"cannot do both to one module")
+
+
+def _described(names: list[str], modules: dict, shown: int = 3) -> str:
+    """``model.norm (LlamaRMSNorm), model.layers (ModuleList) and 5 more``."""
+    listed = ", ".join(f"{name} ({type(modules[name]).__name__})" for name in names[:shown])
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def check_module_names_before_start(config: TrainingConfig, model_config) -> None:
