@@ -6,6 +6,8 @@ instances (e.g. ``memory://``) all take the same code path.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
@@ -53,9 +55,15 @@ class ParquetFile:
     # (column, leaf index, leaf path) of the columns whose ranges are read: the footer of the file
     # actually decoded is asked again, since the file may have been rewritten since the listing
     range_leaves: tuple[tuple[str, int, str], ...] = field(default=(), compare=False, repr=False)
+    # Where the filesystem reports no mtime (fsspec's memory://, and backends whose info names it
+    # otherwise): a digest of the footer (row-group offsets, sizes and statistics), so a file
+    # rewritten in place with the same size still gets new cache keys.
+    footer_digest: str | None = None
 
     @property
     def identity(self) -> str:
+        if self.mtime_ns is None and self.footer_digest is not None:
+            return f"{self.path}|{self.size}|footer:{self.footer_digest}"
         return f"{self.path}|{self.size}|{self.mtime_ns}"
 
 
@@ -159,7 +167,15 @@ def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo) -> tuple[ParquetFile, 
     mtime = info.mtime_ns if info.mtime is not None else None
     sizes = tuple(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
     leaves = range_leaves(metadata, schema, top_level_columns(metadata, schema))
-    return ParquetFile(info.path, int(info.size or 0), mtime, sizes, ranges, leaves), schema, has_nulls, unproven
+    footer = _footer_digest(metadata) if mtime is None else None
+    file = ParquetFile(info.path, int(info.size or 0), mtime, sizes, ranges, leaves, footer)
+    return file, schema, has_nulls, unproven
+
+
+def _footer_digest(metadata: pq.FileMetaData) -> str:
+    """The footer's content (every row group's column chunks: offsets, sizes, statistics), hashed."""
+    described = json.dumps(metadata.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
 def default_columns(schema: pa.Schema) -> list[str]:
@@ -184,6 +200,8 @@ def read_row_group_table(
             return handle.read_row_group(ref.index, columns=list(columns), use_threads=False)
         except (OSError, pa.ArrowIOError) as error:
             handles.pop(ref.file.path, None)
+            if _is_damaged_data(error):  # the same bytes decode no better on a second try
+                raise RowGroupReadError(f"{ref.describe()}: cannot decode: {error}") from error
             delay = backoff_s * 2 ** (attempt - 1)
             out_of_time = deadline is not None and time.monotonic() + delay > deadline
             if attempt == max_attempts or out_of_time:
@@ -194,6 +212,19 @@ def read_row_group_table(
             handles.pop(ref.file.path, None)
             raise RowGroupReadError(f"{ref.describe()}: cannot decode: {error}") from error
     raise AssertionError("unreachable")
+
+
+# pyarrow raises some decode failures as OSError, like a storage error; these words mark damaged
+# data (a thrift page header that does not parse, a bad magic number, a stream cut short).
+_DAMAGED_DATA_MARKERS = ("deserialize thrift", "corrupt", "magic bytes", "unexpected end of stream",
+                         "page header", "invalid")
+
+
+def _is_damaged_data(error: OSError) -> bool:
+    if isinstance(error, (ConnectionError, TimeoutError)) or error.errno is not None:
+        return False  # transport: worth another attempt
+    message = str(error).lower()
+    return any(marker in message for marker in _DAMAGED_DATA_MARKERS)
 
 
 def _numpy_dtype(kind: pa.DataType) -> np.dtype | None:
