@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -131,6 +133,39 @@ def test_rewritten_file_never_serves_stale_rows(tmp_path):
         assert reader.stats.cache_hits == 0
 
 
+def test_a_file_rewritten_with_the_same_size_on_a_filesystem_without_mtimes_never_serves_stale_rows(tmp_path):
+    # fsspec's memory:// (and backends that name the time otherwise) report no mtime: the identity
+    # falls back to the footer's digest, so a same-size rewrite still misses the cache.
+    import io
+
+    import fsspec
+
+    def parquet_bytes(values) -> bytes:
+        sink = io.BytesIO()
+        pq.write_table(pa.table({"v": np.asarray(values, dtype=np.int64)}), sink, row_group_size=5)
+        return sink.getvalue()
+
+    first = parquet_bytes(range(10, 20))
+    second = next(data for k in range(1, 1000) if len(data := parquet_bytes(range(1000 * k, 1000 * k + 10))) == len(first))
+    memory = fsspec.filesystem("memory")
+    source = f"memory://{tmp_path.name}/part.parquet"
+    cache = CacheConfig(tmp_path / "cache", 2**26, shards=1)
+    try:
+        memory.pipe(f"/{tmp_path.name}/part.parquet", first)
+        with RowGroupReader(source, batch_size=10, shuffle=False, cache=cache, workers=1) as reader:
+            assert next(iter(reader))["v"].tolist() == list(range(10, 20))
+            assert reader.dataset.files[0].mtime_ns is None  # what makes this case
+        memory.pipe(f"/{tmp_path.name}/part.parquet", second)  # same path, same size
+        with RowGroupReader(source, batch_size=10, shuffle=False, cache=cache, workers=1) as reader:
+            assert next(iter(reader))["v"].tolist() == [int(v) for v in pq.read_table(io.BytesIO(second))["v"]]
+            assert reader.stats.cache_hits == 0
+        with RowGroupReader(source, batch_size=10, shuffle=False, cache=cache, workers=1) as reader:
+            next(iter(reader))
+            assert reader.stats.cache_hits == 2  # an unchanged file still hits
+    finally:
+        memory.rm(f"/{tmp_path.name}", recursive=True)
+
+
 def entry(seed: int, rows: int = 1000) -> dict[str, np.ndarray]:
     """~100 kB, stored as a file; the int32 extremes keep it from being narrowed."""
     values = np.full((rows, 25), seed, dtype=np.int32)
@@ -248,6 +283,99 @@ def test_a_failed_batch_stores_nothing_leaves_no_files_and_is_counted(tmp_path, 
     assert cache.counters.write_errors == 3 and len(cache) == 0, "the whole transaction rolled back"
     assert not list((tmp_path / "c").rglob("*.val")), "the file written before the failure was deleted"
     assert cache.put_many([stored_entry("k9", entry(9))]) == [True] and cache.get("k9", "k9") is not None
+    cache.close()
+
+
+def _fail_on_write(number: int, failure) -> Callable:
+    """A ``_ValueDisk._write`` that calls ``failure()`` instead of writing the ``number``-th value file."""
+    from training_core.data.cache import _ValueDisk
+
+    original, writes = _ValueDisk._write, []
+
+    def write(self, full_path, iterator, mode, encoding=None):
+        writes.append(full_path)
+        if len(writes) == number:
+            failure()
+        return original(self, full_path, iterator, mode, encoding)
+
+    return write
+
+
+def _disk_full() -> None:
+    raise OSError(28, "No space left on device")
+
+
+def _assert_every_row_has_its_file(cache: RowGroupCache, keys: list[str]) -> None:
+    """What ``stored()`` counts is there: each entry's value file exists, a pooled and a plain get hit it."""
+    shard = cache._cache._shards[0]
+    rows = shard._sql("SELECT key, filename FROM Cache").fetchall()
+    assert sorted(key for key, _ in rows) == sorted(keys)
+    assert all(os.path.exists(os.path.join(shard.directory, name)) for _, name in rows)
+    assert cache.stored(keys) == (len(keys), sum(os.path.getsize(os.path.join(shard.directory, name)) for _, name in rows))
+    for key in keys:
+        assert cache.get(key, key)[0]["x"][0, 0] == int(key[1:])
+    assert cache.counters.misses == 0
+
+
+def test_a_batch_that_evicts_then_fails_keeps_the_evicted_entries_and_their_files(tmp_path, monkeypatch):
+    """Each store of the batch evicts an entry first; the second then hits a full disk: the rollback
+    brings back the evicted rows, so their value files must still be there."""
+    from training_core.data.cache import _ValueDisk
+
+    directory = tmp_path / "c"
+    cache = RowGroupCache(CacheConfig(directory, 400_000, policy="evict", shards=1))
+    assert [cache.put(f"k{i}", entry(i)) for i in range(3)] == [True] * 3
+    monkeypatch.setattr(_ValueDisk, "_write", _fail_on_write(2, _disk_full))
+    assert cache.put_many([stored_entry("k10", entry(10)), stored_entry("k11", entry(11))]) == [False, False]
+    assert cache.counters.write_errors == 2 and cache.counters.evictions == 0
+    _assert_every_row_has_its_file(cache, ["k0", "k1", "k2"])
+    assert len(list(directory.rglob("*.val"))) == 3, "the file the failed batch wrote was deleted"
+    monkeypatch.undo()  # a committed batch deletes the files of the entries it evicted
+    assert cache.put_many([stored_entry("k10", entry(10)), stored_entry("k11", entry(11))]) == [True, True]
+    assert cache.counters.evictions == 2 and "k0" not in cache._files and "k10" in cache._files
+    _assert_every_row_has_its_file(cache, ["k2", "k10", "k11"])
+    assert len(list(directory.rglob("*.val"))) == 3
+    cache.close()
+
+
+def test_a_batch_that_replaces_an_entry_then_fails_keeps_the_old_entry_and_its_file(tmp_path, monkeypatch):
+    """Storing a key that is already there (another process stored it meanwhile) replaces its row;
+    a rollback brings the old row back, so its file must stay until the commit."""
+    from training_core.data.cache import _ValueDisk
+
+    directory = tmp_path / "c"
+    cache = RowGroupCache(CacheConfig(directory, 2**26, shards=1))
+    assert cache.put("k1", entry(1))
+    monkeypatch.setattr(_ValueDisk, "_write", _fail_on_write(2, _disk_full))
+    assert cache.put_many([stored_entry("k1", entry(1)), stored_entry("k2", entry(2))]) == [False, False]
+    _assert_every_row_has_its_file(cache, ["k1"])
+    monkeypatch.undo()
+    assert cache.put("k1", entry(1)) and len(cache) == 1
+    _assert_every_row_has_its_file(cache, ["k1"])
+    assert len(list(directory.rglob("*.val"))) == 1, "the replaced entry's file was deleted after the commit"
+    cache.close()
+
+
+def _killed_inside_a_batch(directory: str) -> None:
+    """Stores two entries in one batch under a full quota and is SIGKILLed instead of writing the second."""
+    from training_core.data.cache import _ValueDisk
+
+    cache = RowGroupCache(CacheConfig(directory, 400_000, policy="evict", shards=1))
+    _ValueDisk._write = _fail_on_write(2, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    cache.put_many([stored_entry("k10", entry(10)), stored_entry("k11", entry(11))])
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_a_writer_killed_after_evicting_inside_a_batch_leaves_the_evicted_entries_whole(tmp_path):
+    directory = str(tmp_path / "c")
+    cache = RowGroupCache(CacheConfig(directory, 400_000, policy="evict", shards=1))
+    assert [cache.put(f"k{i}", entry(i)) for i in range(3)] == [True] * 3
+    writer = multiprocessing.get_context("spawn").Process(target=_killed_inside_a_batch, args=(directory,))
+    writer.start()
+    writer.join(timeout=120)
+    assert writer.exitcode == -signal.SIGKILL
+    _assert_every_row_has_its_file(cache, ["k0", "k1", "k2"])  # SQLite rolled the eviction back
+    assert cache.remove_orphan_files(min_age_s=0) == 1, "only the killed batch's own file is left over"
     cache.close()
 
 

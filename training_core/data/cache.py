@@ -317,8 +317,10 @@ class RowGroupCache:
         ``BEGIN IMMEDIATE`` transaction; per entry: measure the volume, evict or refuse, write the
         value file, insert the row. The row commits after its file is complete, so no reader, in this
         process or another, ever sees a torn entry; on failure the transaction rolls back and the
-        files it wrote are deleted. After the commit the stored entries' value files are remembered
-        (like :meth:`locate`), so that later hits on this handle open them directly."""
+        files it wrote are deleted. Rows evicted or replaced are deleted inside the transaction, but
+        their value files only after the commit (:meth:`_drop_row`). After the commit the stored
+        entries' value files are remembered (like :meth:`locate`), so that later hits on this
+        handle open them directly."""
         shard = self._cache._shards[shard_index]
         disk: _ValueDisk = shard.disk
         # encoding and checksumming happen outside the cross-process lock
@@ -332,6 +334,7 @@ class RowGroupCache:
         created: list[str] = []
         files: dict[str, str] = {}  # key -> value file written in this transaction
         evicted_keys: list[str] = []
+        unreferenced: list[str] = []  # value files of rows deleted in this transaction, removed once it commits
         disk.batch.created = created
         try:
             with shard.transact(retry=True):
@@ -345,20 +348,25 @@ class RowGroupCache:
                         results.append(False)
                         continue
                     while excess > 0:
-                        rows = shard._sql("SELECT key, size FROM Cache ORDER BY store_time LIMIT 16").fetchall()
+                        rows = shard._sql("SELECT rowid, key, size, filename FROM Cache ORDER BY store_time LIMIT 16").fetchall()
                         if not rows:
                             break
-                        for old_key, old_size in rows:
+                        for rowid, old_key, old_size, filename in rows:
                             if excess <= 0:
                                 break
-                            if shard.delete(old_key, retry=True):
-                                evicted += 1
-                                excess -= old_size
-                                evicted_keys.append(old_key)
-                                files.pop(old_key, None)
+                            self._drop_row(shard, rowid, filename, unreferenced)
+                            evicted += 1
+                            excess -= old_size
+                            evicted_keys.append(old_key)
+                            files.pop(old_key, None)
                     if excess > 0:  # only SQLite overhead left: cannot make room
                         results.append(False)
                         continue
+                    # an entry already there (another process stored it meanwhile) is replaced: drop its row here,
+                    # so that diskcache's set inserts and never deletes the old file before the commit
+                    for rowid, filename in shard._sql("SELECT rowid, filename FROM Cache WHERE key = ? AND raw = ?",
+                                                      disk.put(key)).fetchall():
+                        self._drop_row(shard, rowid, filename, unreferenced)
                     written = len(created)
                     # read=True streams the chunks to the value file (diskcache would split raw bytes at b"\n")
                     shard.set(key, _ChunkReader(chunks), read=True, retry=True)
@@ -367,17 +375,33 @@ class RowGroupCache:
                     results.append(True)
                     stored_bytes += size
         except BaseException:
+            # rolled back: the dropped rows are back and keep their files; only this batch's files go
             for path in created:
                 with contextlib.suppress(OSError):
                     os.remove(path)
             raise
         finally:
             disk.batch.created = None
+        # committed; a process killed before this point leaves these files as orphans (remove_orphan_files)
+        for filename in unreferenced:
+            disk.remove(filename)  # suppresses OSError, like diskcache's own cleanup
         for key in evicted_keys:
             self._files.pop(key, None)
         self._files.update(files)
         self._count(evictions=evicted, stored_bytes=stored_bytes, rejected=results.count(False))
         return results
+
+    @staticmethod
+    def _drop_row(shard: diskcache.Cache, rowid: int, filename: str | None, unreferenced: list[str]) -> None:
+        """Delete one row inside the open transaction and note its value file for after the commit.
+
+        Not ``shard.delete``: nested in our transaction, diskcache removes the value file at once,
+        so a rollback (a later store of the batch fails, the process is killed) would bring back a
+        row whose file is gone. diskcache's triggers keep its count and size settings (and so
+        ``volume()``) in step with a plain ``DELETE`` (pinned diskcache 5.6: Cache table)."""
+        shard._sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
+        if filename is not None:  # small values live in the row itself
+            unreferenced.append(filename)
 
     def volume(self) -> int:
         return int(self._cache.volume())
