@@ -14,8 +14,21 @@ LAUNCHER_TAG = "tessera/launcher"  # `this_process()` of the launching process: 
 
 
 def record_this_process(context: dg.AssetExecutionContext) -> None:
-    """Tag the run with this process unless its launcher already did."""
+    """Tag the run with this process unless its launcher already did. A tag copied from the parent
+    run (a re-execution from the UI or the run-retry daemon copies the parent's tags) names the
+    parent's process, so it is replaced."""
     from training_core.process_identity import this_process
 
-    if LAUNCHER_TAG not in context.run.tags:
+    if LAUNCHER_TAG not in context.run.tags or inherited_launcher_tag(context.instance, context.run):
         context.instance.add_run_tags(context.run_id, {LAUNCHER_TAG: this_process()})
+
+
+def inherited_launcher_tag(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:
+    """Whether the run's launcher tag was copied from the run it re-executes: it then names the
+    parent's process (usually gone), not the one running this run."""
+    parent_id = run.tags.get("dagster/parent_run_id")
+    if parent_id is None or LAUNCHER_TAG not in run.tags:
+        return False
+    parent = instance.get_run_by_id(parent_id)
+    # a parent deleted since: the tag cannot be told apart, so it is not trusted either
+    return parent is None or parent.tags.get(LAUNCHER_TAG) == run.tags[LAUNCHER_TAG]

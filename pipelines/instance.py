@@ -6,7 +6,7 @@ import sys
 import threading
 from pathlib import Path
 
-from assets.run_identity import LAUNCHER_TAG  # re-exported: `tessera demo` sets it on its runs
+from assets.run_identity import LAUNCHER_TAG, inherited_launcher_tag  # LAUNCHER_TAG re-exported: `tessera demo` sets it
 from training_core.errors import ConfigError, TesseraError
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,8 @@ def fail_abandoned_runs(instance) -> list[str]:
     in_flight = dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING])
     for run in instance.get_runs(filters=in_flight):
         launcher = run.tags.get(LAUNCHER_TAG)
-        if launcher is None or not process_is_gone(launcher):
+        # an inherited tag names the parent run's process: this run's own is unknown, so left alone
+        if launcher is None or inherited_launcher_tag(instance, run) or not process_is_gone(launcher):
             continue
         instance.report_run_failed(run, f"launcher process {launcher} is gone; marked failed by tessera")
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)

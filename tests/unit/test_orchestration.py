@@ -197,6 +197,35 @@ def test_a_launcher_frees_the_slot_of_a_run_killed_while_it_waits():
     assert instance.get_run_by_id("run-killed").status == dg.DagsterRunStatus.FAILURE
 
 
+def test_a_reexecuted_run_is_not_judged_by_the_launcher_tag_it_copied_from_its_parent():
+    # Re-execute (UI, run-retry daemon) copies the parent's tags: the copied launcher names the
+    # parent's process, gone by then, while the retry runs live in another process.
+    from dagster._core.storage.dagster_run import DagsterRun
+
+    from assets.run_identity import record_this_process
+    from pipelines.instance import LAUNCHER_TAG, fail_abandoned_runs
+    from training_core.process_identity import this_process
+
+    instance = dg.DagsterInstance.ephemeral()
+    gone = _dead_process()
+    instance.add_run(DagsterRun(job_name="train_and_promote", run_id="parent", status=dg.DagsterRunStatus.FAILURE,
+                                tags={LAUNCHER_TAG: gone}))
+    instance.add_run(DagsterRun(job_name="train_and_promote", run_id="retry", status=dg.DagsterRunStatus.STARTED,
+                                tags={LAUNCHER_TAG: gone, "dagster/parent_run_id": "parent"}))
+    instance.add_run(DagsterRun(job_name="train_and_promote", run_id="killed-retry", status=dg.DagsterRunStatus.STARTED,
+                                tags={LAUNCHER_TAG: _dead_process(), "dagster/parent_run_id": "parent"}))
+    # the retry's own (recorded) process is judged; the copied tag is not
+    assert fail_abandoned_runs(instance) == ["killed-retry"]
+    assert instance.get_run_by_id("retry").status == dg.DagsterRunStatus.STARTED
+
+    class TrainingStepContext:  # what lora_adapter's context gives record_this_process
+        run, run_id = instance.get_run_by_id("retry"), "retry"
+
+    TrainingStepContext.instance = instance
+    record_this_process(TrainingStepContext)
+    assert instance.get_run_by_id("retry").tags[LAUNCHER_TAG] == this_process()  # replaced by the live one
+
+
 def test_a_run_started_outside_tessera_is_tagged_with_its_process_by_its_training_step():
     from assets.run_identity import LAUNCHER_TAG, record_this_process
     from training_core.process_identity import this_process
