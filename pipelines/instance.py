@@ -124,9 +124,24 @@ def load_instance():
                           "writes its default") from error
 
 
+USAGE = """usage: python -m pipelines.instance [STATE_FOLDER]
+
+Create the state folder (default: $TESSERA_HOME, else .tessera/) and its Dagster instance settings,
+check that Dagster can load them, and print the folder's absolute path (`make ui` uses it)."""
+
+
 if __name__ == "__main__":
+    arguments = sys.argv[1:]
+    if arguments and arguments[0] in ("-h", "--help"):
+        print(USAGE)
+        sys.exit(0)
+    if len(arguments) > 1 or (arguments and arguments[0].startswith("-")):  # never a folder named "--x"
+        print(f"python -m pipelines.instance: unexpected arguments {arguments}\n{USAGE}", file=sys.stderr)
+        sys.exit(2)
     try:
-        print(prepare_home(sys.argv[1] if len(sys.argv) > 1 else None))
+        root = prepare_home(arguments[0] if arguments else None)
+        load_instance()  # a damaged dagster.yaml is named here, not by `dagster dev` later
     except TesseraError as error:  # a file where the folder should be, no permission: one line, not a traceback
         print(f"python -m pipelines.instance: {error}", file=sys.stderr)
         sys.exit(2)
+    print(root)

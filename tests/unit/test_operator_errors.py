@@ -190,6 +190,28 @@ def test_preparing_an_instance_in_a_file_prints_one_line_and_exits_2(tmp_path):
                                    "Not a directory")
 
 
+def test_preparing_an_instance_refuses_a_damaged_dagster_yaml_and_a_flag_for_a_folder(tmp_path):
+    # `make ui` runs it before `dagster dev`: a damaged settings file is named here, in one line.
+    repo = Path(__file__).resolve().parents[2]
+    settings = tmp_path / "home" / "dagster" / "dagster.yaml"
+    settings.parent.mkdir(parents=True)
+    settings.write_text("telemetry: [\n  bad")
+    done = subprocess.run([sys.executable, "-m", "pipelines.instance", str(tmp_path / "home")], capture_output=True,
+                          text=True, timeout=120, cwd=repo)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"python -m pipelines.instance: {settings}: not valid YAML at line 2")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+    helped = subprocess.run([sys.executable, "-m", "pipelines.instance", "--help"], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: python -m pipelines.instance")
+    assert not (tmp_path / "--help").exists()  # not taken for a state folder to create
+    refused = subprocess.run([sys.executable, "-m", "pipelines.instance", "--home"], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert refused.returncode == 2 and "unexpected arguments ['--home']" in refused.stderr
+    assert not (tmp_path / "--home").exists()
+
+
 @pytest.mark.parametrize(("settings", "message"), [
     ("concurrency: [oops\n", "{file}: not valid YAML at line 2, column 1 (expected ',' or ']'"),
     ("telemetry:\n  enabled: nope\n", "{file}: not a valid Dagster instance config (Invalid scalar at path "
