@@ -124,6 +124,26 @@ def test_transient_read_errors_are_retried(tmp_path):
     assert fs.failures == 0
 
 
+def test_a_transient_error_reading_a_footer_while_listing_is_retried(tmp_path):
+    data = write_dataset(tmp_path / "d", rows=100, row_group_size=100)
+
+    class FlakyFooterFileSystem(LocalFileSystem):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.failures = 2
+
+        def _open(self, path, mode="rb", **kwargs):
+            if self.failures > 0:  # the first opens are the listing's footer reads
+                self.failures -= 1
+                raise ConnectionResetError(104, f"simulated connection reset opening {path}")
+            return super()._open(path, mode, **kwargs)
+
+    fs = FlakyFooterFileSystem()
+    with RowGroupReader(str(data), filesystem=fs, batch_size=100, workers=1) as reader:
+        assert sorted(next(iter(reader))["id"].tolist()) == list(range(100))
+    assert fs.failures == 0
+
+
 def test_persistent_read_errors_name_the_row_group(tmp_path):
     data = write_dataset(tmp_path / "d", rows=100, row_group_size=100)
     fs = FlakyFileSystem(failures=100)

@@ -154,15 +154,26 @@ def list_parquet_files(source: Any, filesystem: Any | None = None) -> tuple[pafs
     return chosen_fs, [found[key] for key in sorted(found)]
 
 
-def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo) -> tuple[ParquetFile, pa.Schema, set[str], set[str]]:
+def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo, max_attempts: int = 3,
+                backoff_s: float = 0.05) -> tuple[ParquetFile, pa.Schema, set[str], set[str]]:
     """Row-group sizes, Arrow schema, the columns that hold nulls somewhere in the file, and the
-    optional columns whose footer does not say (no null count in some row group's statistics)."""
-    try:
-        with fs.open_input_file(info.path) as handle:
-            metadata = pq.ParquetFile(handle).metadata
-            schema = metadata.schema.to_arrow_schema()
-    except Exception as error:  # noqa: BLE001 - re-raised with the file named
-        raise RowGroupReadError(f"{info.path}: cannot read the Parquet footer: {error}") from error
+    optional columns whose footer does not say (no null count in some row group's statistics).
+    A storage error is retried like a row group's read (the listing's timeout bounds it all);
+    damaged data is not."""
+    for attempt in range(1, max_attempts + 1):
+        try:
+            with fs.open_input_file(info.path) as handle:
+                metadata = pq.ParquetFile(handle).metadata
+                schema = metadata.schema.to_arrow_schema()
+            break
+        except OSError as error:
+            if attempt == max_attempts or _is_damaged_data(error):
+                raise RowGroupReadError(f"{info.path}: cannot read the Parquet footer: {error}") from error
+            delay = backoff_s * 2 ** (attempt - 1)
+            logger.warning("%s: footer read failed (%s); retry %d in %.2fs", info.path, error, attempt, delay)
+            time.sleep(delay)
+        except Exception as error:  # noqa: BLE001 - re-raised with the file named
+            raise RowGroupReadError(f"{info.path}: cannot read the Parquet footer: {error}") from error
     ranges, has_nulls, unproven = row_group_statistics(metadata, schema)
     mtime = info.mtime_ns if info.mtime is not None else None
     sizes = tuple(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
