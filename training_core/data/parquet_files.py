@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +25,7 @@ from .footer_statistics import is_integer_list  # noqa: F401 - re-exported (the 
 from .footer_statistics import range_leaves, row_group_statistics, top_level_columns
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 SIDE_FILE_SUFFIXES = (".crc", ".json", ".txt", ".md", ".tmp")
@@ -160,20 +161,13 @@ def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo, max_attempts: int = 3,
     optional columns whose footer does not say (no null count in some row group's statistics).
     A storage error is retried like a row group's read (the listing's timeout bounds it all);
     damaged data is not."""
-    for attempt in range(1, max_attempts + 1):
-        try:
-            with fs.open_input_file(info.path) as handle:
-                metadata = pq.ParquetFile(handle).metadata
-                schema = metadata.schema.to_arrow_schema()
-            break
-        except OSError as error:
-            if attempt == max_attempts or _is_damaged_data(error):
-                raise RowGroupReadError(f"{info.path}: cannot read the Parquet footer: {error}") from error
-            delay = backoff_s * 2 ** (attempt - 1)
-            logger.warning("%s: footer read failed (%s); retry %d in %.2fs", info.path, error, attempt, delay)
-            time.sleep(delay)
-        except Exception as error:  # noqa: BLE001 - re-raised with the file named
-            raise RowGroupReadError(f"{info.path}: cannot read the Parquet footer: {error}") from error
+
+    def read() -> tuple[pq.FileMetaData, pa.Schema]:
+        with fs.open_input_file(info.path) as handle:
+            metadata = pq.ParquetFile(handle).metadata
+            return metadata, metadata.schema.to_arrow_schema()
+
+    metadata, schema = retry_storage_errors(read, f"{info.path} footer", max_attempts, backoff_s)
     ranges, has_nulls, unproven = row_group_statistics(metadata, schema)
     mtime = info.mtime_ns if info.mtime is not None else None
     sizes = tuple(metadata.row_group(i).num_rows for i in range(metadata.num_row_groups))
@@ -203,25 +197,41 @@ def read_row_group_table(
     deadline: float | None = None,
 ) -> pa.Table:
     """Read one row group, retrying I/O errors with exponential backoff (bounded by ``deadline``)."""
+
+    def read() -> pa.Table:
+        handle = handles.get(ref.file.path)
+        if handle is None:
+            handle = handles[ref.file.path] = pq.ParquetFile(fs.open_input_file(ref.file.path))
+        return handle.read_row_group(ref.index, columns=list(columns), use_threads=False)
+
+    # a failed handle is dropped, so the next attempt reopens the file
+    return retry_storage_errors(read, ref.describe(), max_attempts, backoff_s, deadline,
+                                on_failure=lambda: handles.pop(ref.file.path, None))
+
+
+def retry_storage_errors(read: Callable[[], T], what: str, max_attempts: int, backoff_s: float,
+                         deadline: float | None = None, on_failure: Callable[[], object] | None = None) -> T:
+    """``read()``, tried up to ``max_attempts`` times with exponential backoff (within ``deadline``)
+    while it fails with a storage error; damaged data and any other error raise at once. Every
+    failure becomes a RowGroupReadError naming ``what``."""
     for attempt in range(1, max_attempts + 1):
         try:
-            handle = handles.get(ref.file.path)
-            if handle is None:
-                handle = handles[ref.file.path] = pq.ParquetFile(fs.open_input_file(ref.file.path))
-            return handle.read_row_group(ref.index, columns=list(columns), use_threads=False)
-        except (OSError, pa.ArrowIOError) as error:
-            handles.pop(ref.file.path, None)
+            return read()
+        except OSError as error:  # pa.ArrowIOError is OSError
+            if on_failure is not None:
+                on_failure()
             if _is_damaged_data(error):  # the same bytes decode no better on a second try
-                raise RowGroupReadError(f"{ref.describe()}: cannot decode: {error}") from error
+                raise RowGroupReadError(f"{what}: cannot decode: {error}") from error
             delay = backoff_s * 2 ** (attempt - 1)
             out_of_time = deadline is not None and time.monotonic() + delay > deadline
             if attempt == max_attempts or out_of_time:
-                raise RowGroupReadError(f"{ref.describe()}: read failed after {attempt} attempt(s): {error}") from error
-            logger.warning("%s: read failed (%s); retry %d in %.2fs", ref.describe(), error, attempt, delay)
+                raise RowGroupReadError(f"{what}: read failed after {attempt} attempt(s): {error}") from error
+            logger.warning("%s: read failed (%s); retry %d in %.2fs", what, error, attempt, delay)
             time.sleep(delay)
         except Exception as error:  # noqa: BLE001 - corrupt data etc. is not retried
-            handles.pop(ref.file.path, None)
-            raise RowGroupReadError(f"{ref.describe()}: cannot decode: {error}") from error
+            if on_failure is not None:
+                on_failure()
+            raise RowGroupReadError(f"{what}: cannot decode: {error}") from error
     raise AssertionError("unreachable")
 
 
