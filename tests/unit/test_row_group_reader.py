@@ -662,27 +662,3 @@ def test_close_from_another_thread_ends_a_waiting_iteration_with_reader_closed(t
     closer.join()
     with pytest.raises(StopIteration):
         next(iterator)
-
-
-def test_damaged_bytes_are_not_retried_but_a_dropped_connection_is(tmp_path, caplog):
-    # pyarrow raises a page header that does not parse as OSError, like a storage error; the same
-    # bytes decode no better on a second try, so the reader names it at once instead of retrying.
-    from training_core.data.parquet_files import RowGroupReadError, _is_damaged_data
-
-    path = tmp_path / "damaged.parquet"
-    pq.write_table(pa.table({"v": np.random.default_rng(0).integers(0, 2**40, 5000)}), path,
-                   row_group_size=5000, compression="snappy", use_dictionary=False)
-    raw = bytearray(path.read_bytes())
-    for offset in range(4, 40):  # the first page header; the footer stays intact
-        raw[offset] ^= 0x5A
-    path.write_bytes(bytes(raw))
-    with caplog.at_level("WARNING", logger="training_core.data"):
-        with pytest.raises(RowGroupReadError, match=r"damaged\.parquet row group 0: cannot decode: .*thrift"):
-            with RowGroupReader(path, batch_size=100, workers=1, read_timeout_s=30) as reader:
-                next(iter(reader))
-    assert "retry" not in caplog.text
-
-    assert _is_damaged_data(OSError("Couldn't deserialize thrift: don't know what type"))
-    assert _is_damaged_data(OSError("Parquet magic bytes not found in footer"))
-    assert not _is_damaged_data(ConnectionResetError(104, "Connection reset by peer"))
-    assert not _is_damaged_data(OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 28"))
