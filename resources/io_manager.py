@@ -13,6 +13,8 @@ import uuid
 import dagster as dg
 from dagster._core.storage.fs_io_manager import PickledObjectFilesystemIOManager
 
+from training_core.storage import flush_file, sync_directory
+
 
 class AtomicPickleIOManager(PickledObjectFilesystemIOManager):
     def dump_to_path(self, context: dg.OutputContext, obj, path) -> None:
@@ -22,7 +24,9 @@ class AtomicPickleIOManager(PickledObjectFilesystemIOManager):
         temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
             super().dump_to_path(context, obj, temporary)
+            flush_file(temporary)  # the rename must not reach the disk before the bytes do
             os.replace(temporary, path)
+            sync_directory(path.parent)
         finally:
             if temporary.exists():
                 temporary.unlink()

@@ -81,12 +81,14 @@ def publish_directory(staging: Path, final: Path) -> Path:
         log.warning("%s is not as published (%s): replacing it with the fresh copy", final,
                     ", ".join(changed) if changed else f"no {FILE_DIGESTS} to verify it against")
         _move_aside_and_remove(final)
+    flush_to_disk(staging)
     try:
         os.replace(staging, final)
     except OSError:
         if not final.exists():
             raise
         shutil.rmtree(staging, ignore_errors=True)
+    sync_directory(final.parent)
     return final
 
 
@@ -97,8 +99,52 @@ def replace_directory(staging: Path, final: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():
         _move_aside_and_remove(final)
+    flush_to_disk(staging)
     os.replace(staging, final)
+    sync_directory(final.parent)
     return final
+
+
+def flush_to_disk(folder: Path) -> None:
+    """fsync every file, then every directory bottom-up, so the rename that publishes `folder`
+    cannot reach the disk before its contents do. Without it, a machine that loses power soon
+    after a publish can come back with the published name holding empty or short files (ext4 and
+    XFS order a new file's data after the metadata of a rename); a process that is merely killed
+    loses nothing either way, since the page cache survives it."""
+    directories = [folder]
+    for path in folder.rglob("*"):
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            directories.append(path)
+        elif path.is_file():
+            flush_file(path)
+    for directory in sorted(directories, key=lambda d: len(d.parts), reverse=True):
+        sync_directory(directory)
+
+
+def flush_file(path: Path) -> None:
+    """fsync one file: call before renaming it over the name readers use."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def sync_directory(directory: Path) -> None:
+    """Make a directory's entries (a rename into it, new files) durable. Some filesystems refuse
+    fsync on a directory (EINVAL); they journal entries themselves or not at all."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
 
 
 def _move_aside_and_remove(folder: Path) -> None:

@@ -242,6 +242,33 @@ def test_publishing_over_a_damaged_copy_replaces_it(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [final.name]
 
 
+@pytest.mark.parametrize("publish_name", ["publish_directory", "replace_directory"])
+def test_publishing_reaches_the_disk_before_the_rename_does(tmp_path, monkeypatch, publish_name):
+    """Power lost after a publish must not leave the published name holding empty files: every
+    file and folder is fsynced before the rename, and the parent (the new entry) after it."""
+    import os
+
+    from training_core import storage
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(storage.os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                        real_fsync(fd))[1])
+    monkeypatch.setattr(storage.os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b))[1])
+    with storage.staging_directory(tmp_path) as staging:
+        (staging / "train").mkdir()
+        (staging / "train" / "part-0.parquet").write_bytes(b"rows")
+        (staging / "config.json").write_text("{}")
+        written = {str(staging), str(staging / "train"), str(staging / "train" / "part-0.parquet"),
+                   str(staging / "config.json")}
+        final = getattr(storage, publish_name)(staging, tmp_path / "published")
+    renames = [i for i, (kind, _) in enumerate(events) if kind == "replace"]
+    assert [events[i][1] for i in renames] == [str(final)]
+    assert {path for kind, path in events[:renames[0]] if kind == "fsync"} == written
+    assert ("fsync", str(tmp_path)) in events[renames[0]:]
+    assert (final / "train" / "part-0.parquet").read_bytes() == b"rows"
+
+
 @pytest.mark.parametrize("record_damage", ["deleted", "emptied", "not a mapping"])
 def test_a_published_copy_whose_digest_record_is_gone_is_replaced_not_trusted(tmp_path, caplog, record_damage):
     from training_core.storage import FILE_DIGESTS, changed_files, directory_digest, publish_directory, staging_directory
