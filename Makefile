@@ -33,7 +33,7 @@ test-fast: $(STAMP)
 
 ui: $(STAMP)
 	@echo "Dagster UI on http://127.0.0.1:3000, MLflow UI on http://127.0.0.1:5000 (Ctrl-C stops both)"
-	TESSERA_HOME="$$($(PY) -m pipelines.instance)"; mkdir -p "$$TESSERA_HOME/mlartifacts"; \
+	TESSERA_HOME="$$($(PY) -m pipelines.instance)" || exit 2; mkdir -p "$$TESSERA_HOME/mlartifacts"; \
 	DAGSTER_HOME="$$TESSERA_HOME/dagster"; export TESSERA_HOME DAGSTER_HOME; \
 	$(VENV)/bin/mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri "sqlite:///$$TESSERA_HOME/mlflow.db" \
 	  --default-artifact-root "$$TESSERA_HOME/mlartifacts" & \
