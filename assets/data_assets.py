@@ -11,7 +11,7 @@ from assets.partitions import DAILY
 from resources import TesseraStorage
 from training_core.base_model import BaseModelRef, load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, PublishedDataset, write_dataset
-from training_core.data.demo_task import generate_records
+from training_core.data.demo_task import MAX_RECORDS_PER_PARTITION, generate_records
 from training_core.data.quality import DATASET_CHECK_NAMES, MAX_REPEATED_RECORDS, run_dataset_checks
 from training_core.data.sources import ORIGINS_FILE, RecordOrigins, read_records, read_records_with_origins
 from training_core.errors import EmptyPartitionError
@@ -32,7 +32,11 @@ class RawExamplesConfig(dg.Config):
         "file or folder with `prompt` and `response` fields. '{partition}' is replaced by the day.",
         min_length=1,
     )
-    records_per_partition: int = Field(4000, gt=0, description="demo only: records generated per day")
+    records_per_partition: int = Field(
+        4000, gt=0, le=MAX_RECORDS_PER_PARTITION,
+        description=f"demo only: records generated per day (at most {MAX_RECORDS_PER_PARTITION:,}: more would "
+        "repeat words over the no_duplicate_rows limit; use more days for more data)",
+    )
     seed: int = Field(0, description="demo only: generator seed")
 
 

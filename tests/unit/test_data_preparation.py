@@ -27,6 +27,17 @@ def test_demo_records_are_a_pure_function_of_the_partition():
     assert generate_records("2026-11-01", 50) != generate_records("2026-11-02", 50)
 
 
+def test_the_largest_demo_day_passes_its_own_duplicate_check():
+    """The demo draws words with replacement: a day larger than the cap would fail no_duplicate_rows."""
+    from training_core.data.demo_task import MAX_RECORDS_PER_PARTITION
+    from training_core.data.quality import MAX_REPEATED_RECORDS, repeated_record_count
+
+    records = generate_records("2026-11-01", MAX_RECORDS_PER_PARTITION)
+    assert repeated_record_count(records) <= MAX_REPEATED_RECORDS * len(records)
+    with pytest.raises(ValueError, match="between 0 and 40,000"):
+        generate_records("2026-11-01", MAX_RECORDS_PER_PARTITION + 1)
+
+
 def test_demo_answer_is_not_a_copy_of_the_prompt():
     for record in generate_records("2026-11-01", 200):
         word = record["prompt"].split(" ", 1)[1].replace(" ", "")

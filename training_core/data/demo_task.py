@@ -17,6 +17,10 @@ ALPHABET = string.ascii_lowercase
 SHIFT = 3
 WORD_LENGTH = 4
 PROMPT_PREFIX = "encode:"
+# Words are drawn with replacement from 26**4 = 456,976: past about 45,000 records a day, more than
+# 5 % repeat an earlier one and the day fails its own blocking no_duplicate_rows check (at 40,000
+# about 4.2 % repeat). More data for the demo: more days.
+MAX_RECORDS_PER_PARTITION = 40_000
 
 
 def encode_word(word: str) -> str:
@@ -34,8 +38,9 @@ def partition_seed(partition_key: str, seed: int = 0) -> int:
 
 def generate_records(partition_key: str, num_records: int, seed: int = 0) -> list[dict[str, str]]:
     """`num_records` records for one partition, deterministic in (partition_key, seed)."""
-    if num_records < 0:
-        raise ValueError(f"num_records must be >= 0, got {num_records}")
+    if not 0 <= num_records <= MAX_RECORDS_PER_PARTITION:
+        raise ValueError(f"num_records must be between 0 and {MAX_RECORDS_PER_PARTITION:,} (more would repeat over "
+                         f"5 % of the demo's {len(ALPHABET)}**{WORD_LENGTH} words), got {num_records}")
     rng = np.random.default_rng(partition_seed(partition_key, seed))
     letters = rng.integers(0, len(ALPHABET), size=(num_records, WORD_LENGTH))
     return [make_record("".join(ALPHABET[i] for i in row)) for row in letters]
