@@ -35,12 +35,15 @@ def resolve_home(home: str | None = None) -> Path:
 
 def prepare_home(home: str | None = None) -> Path:
     """Create the state root and DAGSTER_HOME, and export both for this process."""
+    from resources.paths import check_not_moved
+
     root = resolve_home(home)
     dagster_home = root / "dagster"
     try:
         dagster_home.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # a file in the way, no permission, a read-only disk
         raise ConfigError(f"state folder {root} is not usable: {error.strerror or error}") from error
+    check_not_moved(root)
     settings = dagster_home / "dagster.yaml"
     if not settings.exists():
         settings.write_text(INSTANCE_SETTINGS)

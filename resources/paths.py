@@ -2,6 +2,7 @@
 
 
 import os
+import uuid
 from pathlib import Path
 
 import dagster as dg
@@ -36,6 +37,7 @@ class TesseraStorage(dg.ConfigurableResource):
         except OSError as error:  # a file in the way, no permission, a read-only disk
             raise ConfigError(f"state folder {self.root} (storage.home / TESSERA_HOME) is not usable: "
                               f"cannot create {path}: {error.strerror or error}") from error
+        check_not_moved(self.root)
         return path
 
     @property
@@ -46,3 +48,31 @@ class TesseraStorage(dg.ConfigurableResource):
     @property
     def ray_storage(self) -> str:
         return self.ray_storage_uri or str(self.folder("ray"))
+
+
+HOME_MARKER = ".tessera-home"  # the absolute path the state folder was created at
+
+
+def check_not_moved(root: Path) -> None:
+    """Refuse a state folder that was moved or copied from where it was created.
+
+    MLflow's experiment, the lineage of every run and Dagster's stored step values hold absolute
+    paths into it: after a move, new runs would write artifacts under the old path again (outside
+    the state folder), and the champion's model could no longer be loaded, so the champion gate
+    would compare with nothing. A symlink from the old path to the new one is fine."""
+    marker = root / HOME_MARKER
+    try:
+        recorded = marker.read_text().strip()
+    except FileNotFoundError:
+        pending = root / f".{HOME_MARKER}.{uuid.uuid4().hex}.tmp"
+        pending.write_text(str(root) + "\n")
+        os.replace(pending, marker)
+        return
+    except OSError:
+        return  # unreadable: `folder` has already said whether the state folder is usable
+    if recorded and Path(recorded).resolve() != root.resolve():
+        raise ConfigError(
+            f"state folder {root} (storage.home / TESSERA_HOME) was created at {recorded} and has been moved "
+            "or copied since; its MLflow runs, lineage and Dagster step values name files under the old "
+            f"path. Move it back, make {recorded} a symlink to {root}, or start from an empty state folder"
+        )

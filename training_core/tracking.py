@@ -13,11 +13,29 @@ import time
 import warnings
 from pathlib import Path
 
-from training_core.errors import LineageError
+from training_core.errors import ConfigError, LineageError
 
 log = logging.getLogger(__name__)
 
 PROCESS_TAG = "tessera.process"  # host:pid:start time of the process that started the run
+
+
+def _check_artifact_location(experiment: str, location: str, artifact_root: Path) -> None:
+    """A local experiment whose artifacts live elsewhere than this deployment's artifact folder
+    (the state folder was moved, or two deployments share a database) would write every new run's
+    artifacts there: refuse, naming both. Artifacts in an object store are the server's business."""
+    from urllib.parse import unquote, urlparse
+
+    parsed = urlparse(location)
+    if parsed.scheme not in ("", "file"):
+        return
+    recorded = Path(unquote(parsed.path))
+    if recorded.resolve() != artifact_root.resolve():
+        raise ConfigError(
+            f"MLflow experiment {experiment!r} keeps its artifacts in {recorded}, not in this deployment's "
+            f"{artifact_root}: was the state folder moved? New runs would write outside it and earlier "
+            "runs' models could not be loaded; move it back, or use another experiment name or database"
+        )
 
 
 class MlflowTracking:
@@ -32,6 +50,7 @@ class MlflowTracking:
             self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_root.resolve().as_uri())
         else:
             self.experiment_id = existing.experiment_id
+            _check_artifact_location(experiment, existing.artifact_location, artifact_root)
 
     def start_run(self, run_name: str, tags: dict[str, str]) -> str:
         from training_core.process_identity import this_process

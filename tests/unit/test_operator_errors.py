@@ -279,3 +279,41 @@ def test_an_untracked_file_larger_than_any_source_file_counts_by_size_and_mtime_
     before = lineage._file_digest(small)
     os.utime(small, ns=(2, 2))
     assert lineage._file_digest(small) == before  # source files count by content
+
+
+# --- a state folder moved after it was created ---------------------------------------------------------
+
+
+def test_a_moved_state_folder_is_refused_before_anything_writes_to_its_old_path(tmp_path):
+    """MLflow, the lineage and Dagster's step values hold absolute paths into the state folder: after
+    a move, runs would write artifacts under the old path again and the champion could not be loaded."""
+    from pipelines.instance import prepare_home
+    from resources import MlflowTracker, TesseraStorage
+
+    created, moved = tmp_path / "created", tmp_path / "moved"
+    MlflowTracker(storage=TesseraStorage(home=str(created))).client()  # the experiment names created/mlartifacts
+    created.rename(moved)
+    message = re.escape(f"state folder {moved} (storage.home / TESSERA_HOME) was created at {created} and has "
+                        "been moved or copied since")
+    with pytest.raises(ConfigError, match=message):
+        MlflowTracker(storage=TesseraStorage(home=str(moved))).client()
+    with pytest.raises(ConfigError, match=message):
+        TesseraStorage(home=str(moved)).folder("datasets")
+    with pytest.raises(ConfigError, match=re.escape(f"was created at {created}")):
+        prepare_home(str(moved))  # `make ui`, `tessera demo`: before Dagster starts
+    assert not created.exists()  # nothing recreated the old path
+    created.symlink_to(moved)  # the documented way to keep using it from its new place
+    assert MlflowTracker(storage=TesseraStorage(home=str(moved))).client().experiment_id
+
+
+def test_an_mlflow_experiment_keeping_its_artifacts_elsewhere_is_refused(tmp_path):
+    """Two deployments sharing one tracking database, or a folder moved by hand: new runs would
+    write their artifacts outside this deployment's folder."""
+    from training_core.tracking import MlflowTracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowTracking(uri, tmp_path / "first")
+    with pytest.raises(ConfigError, match=re.escape(f"MLflow experiment 'tessera' keeps its artifacts in "
+                                                    f"{tmp_path / 'first'}, not in this deployment's {tmp_path / 'second'}")):
+        MlflowTracking(uri, tmp_path / "second")
+    assert MlflowTracking(uri, tmp_path / "first").experiment_id  # the same folder: fine
