@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from training_core.data import CacheConfig, CacheWarmReport, RowGroupReader, cache_version, warm_cache
-from training_core.data.cache import BufferPool, RowGroupCache
+from training_core.data.cache import _SQLITE_SLACK, BufferPool, RowGroupCache
 from training_core.data.cache_payload import (
     CorruptEntryError,
     decode_payload,
@@ -203,6 +203,31 @@ def test_entry_larger_than_a_shard_is_not_stored(tmp_path):
     cache = RowGroupCache(CacheConfig(tmp_path / "c", 400_000, shards=4))
     assert not cache.put("big", entry(1))
     assert cache.counters.rejected == 1 and len(cache) == 0
+    cache.close()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_evict_refuses_an_entry_too_big_beside_the_sqlite_pages_without_evicting_anything(tmp_path, batched):
+    """Evicting frees the entries' bytes, never the shard's own SQLite pages (32 KiB here): an entry
+    within the per-entry bound that cannot fit beside those pages is refused with nothing evicted;
+    one that fits evicts only the oldest entries it needs."""
+    limit = 400_000
+    cache = RowGroupCache(CacheConfig(tmp_path / "c", limit, policy="evict", shards=1))
+    keys = [f"k{i}" for i in range(10)]
+    assert all(cache.put(key, entry(i, rows=300)) for i, key in enumerate(keys))  # ~30 kB each
+    pages = cache.volume() - cache.stored(keys)[1]
+    too_big, fits = entry(10, rows=3670), entry(11)  # ~367 kB, ~100 kB
+    needed = len(encode_payload(too_big)) + len("too_big") + _SQLITE_SLACK
+    assert limit - pages < needed <= limit, "the entry must pass the per-entry bound, yet not fit beside the pages"
+    if batched:
+        stored = cache.put_many([stored_entry("too_big", too_big), stored_entry("fits", fits)])
+    else:
+        stored = [cache.put("too_big", too_big), cache.put("fits", fits)]
+    assert stored == [False, True]
+    # "fits" needs ~51 kB more than is free: one 30 kB entry is too little, two are enough
+    assert cache.counters.rejected == 1 and cache.counters.evictions == 2
+    assert cache.stored(keys[:2])[0] == 0 and cache.stored(keys[2:])[0] == 8
+    assert cache.volume() <= limit
     cache.close()
 
 

@@ -344,7 +344,9 @@ class RowGroupCache:
                         continue
                     key, chunks, size, needed = item
                     excess = shard.volume() + needed - self._shard_limit
-                    if excess > 0 and self.config.policy == "stop_admitting":
+                    # evicting frees only the entries' bytes (diskcache's "size" setting), never the shard's
+                    # SQLite pages: an entry that cannot fit next to those pages is refused before evicting
+                    if excess > 0 and (self.config.policy == "stop_admitting" or excess > shard.reset("size")):
                         results.append(False)
                         continue
                     while excess > 0:
@@ -359,7 +361,7 @@ class RowGroupCache:
                             excess -= old_size
                             evicted_keys.append(old_key)
                             files.pop(old_key, None)
-                    if excess > 0:  # only SQLite overhead left: cannot make room
+                    if excess > 0:  # rows out of step with the "size" setting: cannot make room
                         results.append(False)
                         continue
                     # an entry already there (another process stored it meanwhile) is replaced: drop its row here,
