@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import pytest
 
-from training_core.base_model import load_tokenizer
+from training_core.base_model import load_tokenizer, train_demo_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, read_eval_records, write_dataset
-from training_core.data.demo_task import encode_word, generate_records
+from training_core.data.demo_task import ALPHABET, encode_word, generate_records, tokenizer_corpus
 from training_core.data.packing import IGNORE_INDEX, TokenizedExample, is_eval_example, pack_examples, tokenize_example
 from training_core.data import quality
 from training_core.data.quality import DATASET_CHECK_NAMES, run_dataset_checks
@@ -189,6 +189,94 @@ def test_count_occurrences_equals_a_plain_scan(data, rows, width, vocab, use_sta
     # start_token only narrows where to look: a match starts with its sequence's first token anyway
     counted = quality.count_occurrences(table, sequences, start_token=start_token, rows_per_chunk=2)
     assert counted == _naive_occurrences(table, sequences)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), rows=st.integers(1, 9), width=st.integers(1, 12), vocab=st.integers(1, 4))
+def test_count_occurrences_from_given_starts_equals_a_plain_scan_from_them(data, rows, width, vocab):
+    """Tiny chunks cut the starts with the rows; a window counts only where its start is marked."""
+    table = np.array(data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=width, max_size=width),
+                                        min_size=rows, max_size=rows)), dtype=np.int32)
+    starts = np.array(data.draw(st.lists(st.lists(st.booleans(), min_size=width, max_size=width),
+                                         min_size=rows, max_size=rows)), dtype=bool)
+    r, i = data.draw(st.integers(0, rows - 1)), data.draw(st.integers(0, width - 1))
+    sequences = {tuple(table[r, i : i + data.draw(st.integers(1, width - i))].tolist())}
+    expected = sum(tuple(table[row, i : i + len(s)].tolist()) == s for row in range(rows) for s in sequences
+                   for i in range(width - len(s) + 1) if starts[row, i])
+    assert quality.count_occurrences(table, sequences, rows_per_chunk=2, starts=starts) == expected
+
+
+def _local_tokenizer(directory: Path, **special_tokens: str):
+    """The demo's word-level tokenizer (one token per letter, built here: no download) with other
+    special tokens, saved and loaded as a base model's is: without a pad token, it pads with eos."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = train_demo_tokenizer(tokenizer_corpus()).backend_tokenizer
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", **special_tokens).save_pretrained(directory)
+    return load_tokenizer(str(directory))
+
+
+# Qwen-like: no BOS, padded with a pad token of its own or (no pad token) with eos.
+WITHOUT_BOS = {"own pad": {"eos_token": "</s>", "pad_token": "<pad>"}, "pad is eos": {"eos_token": "</s>"}}
+
+
+def _tails_of_a_held_out_example(tokenizer, directory: Path):
+    """A dataset whose training examples end with a held-out example's tokens ("<w> a b" → "z" for a
+    held-out "a b" → "z"): other examples, not copies of it. Returns (dataset, held-out record)."""
+    spec = DatasetSpec(seq_len=32, eval_fraction=0.3)
+    held_out = next(f"{a} {b}" for a in ALPHABET for b in ALPHABET if is_eval_example(f"{a} {b}", spec.eval_fraction))
+    records = [{"prompt": held_out, "response": "z"}]
+    records += [{"prompt": f"{w} {held_out}", "response": "z"} for w in ALPHABET
+                if not is_eval_example(f"{w} {held_out}", spec.eval_fraction)]
+    return write_dataset(records, tokenizer, directory, spec, source_label="t"), records[0]
+
+
+@pytest.mark.parametrize("special_tokens", WITHOUT_BOS.values(), ids=WITHOUT_BOS.keys())
+def test_a_held_out_example_that_ends_training_examples_is_not_leaked_without_a_bos(tmp_path, special_tokens):
+    """With a BOS only windows at an example's start were compared; without one every window was, so
+    the tail of another training example counted as leaked and the blocking check stopped the day."""
+    tokenizer = _local_tokenizer(tmp_path / "tokenizer", **special_tokens)
+    assert tokenizer.bos_token_id is None
+    dataset, _ = _tails_of_a_held_out_example(tokenizer, tmp_path / "out")
+    assert dataset.train_examples > 10 and dataset.eval_examples == 1
+    leakage = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}["no_eval_leakage"]
+    assert leakage.passed and leakage.metadata["leaked_examples"] == 0, leakage.description
+
+
+@pytest.mark.parametrize("special_tokens", WITHOUT_BOS.values(), ids=WITHOUT_BOS.keys())
+def test_a_held_out_example_copied_into_training_is_leaked_once_without_a_bos(tmp_path, special_tokens):
+    """The copy is packed after another example and before padding (eos, when pad is eos): it counts
+    once, where it starts, and the training examples that merely end with its tokens do not."""
+    tokenizer = _local_tokenizer(tmp_path / "tokenizer", **special_tokens)
+    dataset, held_out = _tails_of_a_held_out_example(tokenizer, tmp_path / "out")
+    first_file = sorted((Path(dataset.path) / "train").glob("*.parquet"))[0]
+    table = pq.read_table(first_file)
+    copied = pack_examples([tokenize_example(tokenizer, "c d", "y"), tokenize_example(tokenizer, **held_out)],
+                           dataset.seq_len, tokenizer.pad_token_id)
+    extra = pa.table({name: copied[name].tolist() for name in ("input_ids", "labels")}, schema=table.schema)
+    pq.write_table(pa.concat_tables([table, extra]), first_file)
+
+    leakage = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}["no_eval_leakage"]
+    assert not leakage.passed and leakage.metadata["leaked_examples"] == 1, leakage.description
+
+
+LAYOUTS = {"no bos, pad is eos": {"eos_token": "</s>"},
+           "bos is eos is pad (GPT-2)": {"bos_token": "</s>", "eos_token": "</s>"}}
+
+
+@pytest.mark.parametrize("special_tokens", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_examples_start_after_a_trained_eos_not_after_a_bos_or_in_padding_that_are_eos(tmp_path, special_tokens):
+    tokenizer = _local_tokenizer(tmp_path / "tokenizer", **special_tokens)
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    examples = [tokenize_example(tokenizer, "a b", "c"), tokenize_example(tokenizer, "", "d"),
+                tokenize_example(tokenizer, "e", "f")]  # "": an example may start with its response
+    packed = pack_examples(examples, seq_len=16, pad_token_id=tokenizer.pad_token_id)
+    lengths = [len(e.prompt_ids) + len(e.response_ids) for e in examples]
+    expected = np.zeros(16, dtype=bool)
+    expected[np.cumsum([0, *lengths[:-1]])] = True
+    assert sum(lengths) < 16 and packed["input_ids"][0, sum(lengths)] == tokenizer.eos_token_id
+    starts = quality.example_starts(packed["input_ids"], packed["labels"], tokenizer.eos_token_id)
+    assert starts[0].tolist() == expected.tolist()
 
 
 def test_published_directories_name_the_files_that_changed_later(tmp_path):
