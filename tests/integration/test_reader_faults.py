@@ -282,3 +282,66 @@ def test_full_write_queue_drops_entries_counts_them_and_keeps_the_order(tmp_path
     with RowGroupReader(data, batch_size=64, seed=5, cache=tiny) as warm:
         assert np.array_equal(np.concatenate([batch["id"] for batch in warm]), expected)
         assert warm.stats.cache_hits == 40 - stats.cache_dropped, "exactly the dropped entries are re-read"
+
+
+class LatencyFileSystem(LocalFileSystem):
+    """Every open costs ``latency_s`` (one request to a remote store) and is counted; opening a path
+    that ends with ``hang_on`` blocks until ``gate`` is set (a request the store never answers)."""
+
+    def __init__(self, latency_s: float, hang_on: str | None = None, gate: threading.Event | None = None) -> None:
+        super().__init__(skip_instance_cache=True)
+        self.latency_s, self.hang_on, self.gate = latency_s, hang_on, gate
+        self.opens = 0
+
+    def _open(self, path, mode="rb", **kwargs):
+        self.opens += 1
+        time.sleep(self.latency_s)
+        if self.hang_on is not None and str(path).endswith(self.hang_on):
+            self.gate.wait()  # released by the test, so the thread can finish
+        return super()._open(path, mode, **kwargs)
+
+
+def write_many_files(directory: Path, files: int) -> Path:
+    directory.mkdir(parents=True)
+    for i in range(files):
+        pq.write_table(pa.table({"id": np.arange(i * 10, i * 10 + 10, dtype=np.int64)}),
+                       directory / f"part-{i:04d}.parquet")
+    return directory
+
+
+def test_read_timeout_bounds_each_footer_read_not_the_whole_listing(tmp_path):
+    """40 files at 20 ms a request take ~0.8 s to list, over read_timeout_s=0.3 s: one deadline for
+    the listing and every footer meant such a dataset could never be opened."""
+    from training_core.data import warm_cache
+
+    data = write_many_files(tmp_path / "d", 40)
+    fs = LatencyFileSystem(latency_s=0.02)
+    began = time.monotonic()
+    with RowGroupReader(str(data), filesystem=fs, batch_size=400, read_timeout_s=0.3, workers=2) as reader:
+        assert time.monotonic() - began > 0.3, "the listing must outlast read_timeout_s for this test to mean anything"
+        assert reader.num_rows == 400
+        assert sorted(next(iter(reader))["id"].tolist()) == list(range(400))
+    report = warm_cache(str(data), CacheConfig(tmp_path / "cache", 2**26), filesystem=fs, read_timeout_s=0.3)
+    assert report.entries == 40
+
+
+def test_a_hanging_footer_read_raises_within_read_timeout_and_stops_the_listing(tmp_path):
+    data = write_many_files(tmp_path / "d", 12)
+    gate = threading.Event()
+    fs = LatencyFileSystem(latency_s=0.01, hang_on="part-0004.parquet", gate=gate)
+    began = time.monotonic()
+    try:
+        with pytest.raises(ReadTimeoutError, match=r"footer of .*part-0004\.parquet: no result after "
+                                                   r"read_timeout_s=0.3s"):
+            RowGroupReader(str(data), filesystem=fs, read_timeout_s=0.3)
+        assert time.monotonic() - began < 2.0
+        opened = fs.opens
+    finally:
+        gate.set()  # the hung request returns now
+    time.sleep(0.5)  # time for an abandoned listing to open the 7 files left (10 ms each)
+    assert fs.opens == opened, "the abandoned listing went on opening files after the timeout"
+    listing = [thread for thread in threading.enumerate()
+               if thread.name.startswith("tessera-reader-") and thread.name.endswith("-index-decode-0")]
+    for thread in listing:
+        thread.join(timeout=5.0)
+    assert not any(thread.is_alive() for thread in listing)

@@ -662,3 +662,100 @@ def test_close_from_another_thread_ends_a_waiting_iteration_with_reader_closed(t
     closer.join()
     with pytest.raises(StopIteration):
         next(iterator)
+
+
+BIG = 1_733_000_000_123_456_789  # an int64 nanosecond timestamp / 64-bit id: not exactly a float64
+
+
+@pytest.mark.parametrize("statistics", [True, False])
+def test_integers_beyond_2_to_the_53_widen_to_the_nearest_float(tmp_path, statistics):
+    """Ints with nulls widen to float64 by contract, which is lossy beyond ±2**53: a safe cast refused
+    those values and failed the read mid-epoch. Without nulls (and with statistics) they stay exact."""
+    for name, values in [("clean", [BIG + i for i in range(4)]), ("nulls", [BIG, None, 5, BIG + 3])]:
+        (tmp_path / name).mkdir()
+        pq.write_table(pa.table({"row": pa.array(range(4), pa.int64()), "event_ns": pa.array(values, pa.int64())}),
+                       tmp_path / name / "a.parquet", write_statistics=statistics)
+    pq.write_table(pa.table({"row": pa.array(range(4, 6), pa.int64()), "event_ns": pa.array([BIG, BIG], pa.int64())}),
+                   tmp_path / "nulls" / "b.parquet", write_statistics=statistics)  # no null here, one in a.parquet
+    for cache in (None, CacheConfig(tmp_path / "cache", 1 << 26)):
+        with RowGroupReader(tmp_path / "clean", batch_size=8, shuffle=False, cache=cache) as reader:
+            clean = next(iter(reader))["event_ns"]
+        if statistics:
+            assert clean.dtype == np.int64 and clean.tolist() == [BIG + i for i in range(4)]
+        else:  # no null counts: read as float64, like a column that holds nulls
+            assert clean.dtype == np.float64 and clean.tolist() == [float(BIG + i) for i in range(4)]
+        with RowGroupReader(tmp_path / "nulls", batch_size=8, shuffle=False, cache=cache) as reader:
+            widened = next(iter(reader))["event_ns"]
+        assert widened.dtype == np.float64
+        assert widened[[0, 2, 3, 4, 5]].tolist() == [float(BIG), 5.0, float(BIG + 3), float(BIG), float(BIG)]
+        assert np.isnan(widened[1])
+
+
+def test_a_column_that_cannot_be_converted_is_named(tmp_path, monkeypatch):
+    import training_core.data.parquet_files as parquet_files
+
+    pq.write_table(pa.table({"id": [1, 2], "x": [3, 4]}), tmp_path / "a.parquet")
+    real = parquet_files.arrow_to_numpy
+
+    def failing(array, widen_nulls=False):
+        if array.to_pylist() == [3, 4]:
+            raise pa.ArrowInvalid("simulated conversion failure")
+        return real(array, widen_nulls)
+
+    monkeypatch.setattr(parquet_files, "arrow_to_numpy", failing)
+    with RowGroupReader(tmp_path / "a.parquet", workers=1) as reader:
+        with pytest.raises(parquet_files.RowGroupReadError,
+                           match=r"a\.parquet row group 0: column 'x' \(int64\) cannot be converted to NumPy: "
+                                 r"ArrowInvalid: simulated conversion failure"):
+            next(iter(reader))
+
+
+@pytest.mark.parametrize("new_first", [False, True])
+def test_all_columns_of_files_with_different_columns_are_refused_in_either_sort_order(tmp_path, new_first):
+    """columns=None took the first file's columns: a column added in later files was silently
+    dropped, and in the other sort order the same files failed as "missing column"."""
+    old_day, new_day = ("2026-01-02", "2026-01-01") if new_first else ("2026-01-01", "2026-01-02")
+    for day in (old_day, new_day):
+        (tmp_path / day).mkdir()
+    pq.write_table(pa.table({"id": [1, 2]}), tmp_path / old_day / "part.parquet")
+    pq.write_table(pa.table({"id": [3], "weight": [0.5]}), tmp_path / new_day / "part.parquet")
+    with pytest.raises(SourceError) as info:
+        RowGroupReader(tmp_path)
+    message = str(info.value)
+    assert f"'weight' is in {tmp_path / new_day / 'part.parquet'} but not in {tmp_path / old_day / 'part.parquet'}" \
+        in message
+    assert "pass columns=[...]" in message and "every file has ['id']" in message
+    with RowGroupReader(tmp_path, columns=["id"], shuffle=False) as reader:
+        assert sorted(np.concatenate([batch["id"] for batch in reader]).tolist()) == [1, 2, 3]
+
+
+def test_a_rejected_state_leaves_a_running_iteration_running(ids_dataset):
+    from training_core.data.reader import ReaderStateError
+
+    with RowGroupReader(ids_dataset, batch_size=100) as reader:
+        expected = [batch["id"].copy() for batch in reader]
+    with RowGroupReader(ids_dataset, batch_size=100) as reader:
+        iterator = iter(reader)
+        first = next(iterator)["id"].copy()
+        before = reader.state_dict()
+        with pytest.raises(ReaderStateError, match="past the end of its epoch"):
+            reader.load_state_dict({**before, "samples_in_epoch": 5000, "seed": 9})
+        assert reader.state_dict() == before and reader.seed == 0
+        assert same_batches([first] + [batch["id"].copy() for batch in iterator], expected)
+        assert reader.state_dict()["epoch"] == 1
+
+
+def test_a_local_source_path_starting_with_a_tilde_is_expanded(tmp_path, monkeypatch):
+    import fsspec
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_ids_dataset(tmp_path / "data", [(30, 10), (20, 10)])
+    assert sorted(np.concatenate(read_ids("~/data")).tolist()) == list(range(50))
+    assert sorted(np.concatenate(read_ids(["~/data/part-001.parquet"])).tolist()) == list(range(30, 50))
+    memory = fsspec.filesystem("memory")  # a URI's path belongs to its store: never expanded
+    memory.pipe("/~/tilde/a.parquet", (tmp_path / "data" / "part-000.parquet").read_bytes())
+    try:
+        with RowGroupReader("memory://~/tilde") as reader:
+            assert reader.dataset.files[0].path == "/~/tilde/a.parquet"
+    finally:
+        memory.rm("/~", recursive=True)

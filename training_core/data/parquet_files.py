@@ -98,8 +98,9 @@ def _resolve_one(source: str | os.PathLike, filesystem: Any | None) -> tuple[paf
     if filesystem is not None:
         return as_arrow_filesystem(filesystem), text
     if "://" not in text:
-        # no mmap: mapped pages would count in RSS and grow with the files read
-        return pafs.LocalFileSystem(), os.path.abspath(text)
+        # no mmap: mapped pages would count in RSS and grow with the files read; `~` expands as in
+        # sources.list_source_files (a URI's path is the store's, never expanded)
+        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(text))
     try:
         return pafs.FileSystem.from_uri(text)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):
@@ -121,14 +122,22 @@ def _has_parquet_magic(fs: pafs.FileSystem, path: str) -> bool:
         return handle.read(4) == b"PAR1"
 
 
-def list_parquet_files(source: Any, filesystem: Any | None = None) -> tuple[pafs.FileSystem, list[pafs.FileInfo]]:
-    """Expand a file, directory or list of them into sorted Parquet files (side files skipped)."""
+def _no_watch(request: str) -> None:
+    """The default ``before_request``: nothing watches the storage requests."""
+
+
+def list_parquet_files(
+    source: Any, filesystem: Any | None = None, before_request: Callable[[str], None] = _no_watch
+) -> tuple[pafs.FileSystem, list[pafs.FileInfo]]:
+    """Expand a file, directory or list of them into sorted Parquet files (side files skipped).
+    ``before_request(what)`` is called before each storage request (see :func:`index_dataset`)."""
     sources = list(source) if isinstance(source, (list, tuple)) else [source]
     if not sources:
         raise SourceError("source is an empty list; pass a Parquet file, a directory or a list of them")
     found: dict[str, pafs.FileInfo] = {}
     chosen_fs: pafs.FileSystem | None = None
     for item in sources:
+        before_request(f"listing {item}")
         fs, path = _resolve_one(item, filesystem)
         if chosen_fs is not None and fs.type_name != chosen_fs.type_name:
             raise SourceError(f"{item}: all sources must live on one filesystem ({chosen_fs.type_name})")
@@ -139,15 +148,18 @@ def list_parquet_files(source: Any, filesystem: Any | None = None) -> tuple[pafs
         if info.type == pafs.FileType.File:
             found[info.path] = info
             continue
+        before_request(f"listing {path}")
         for child in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
             if child.type != pafs.FileType.File:
                 continue
             relative = child.path[len(path.rstrip("/")) + 1 :]
             if _is_side_file(relative):
                 continue
-            if not child.path.lower().endswith(PARQUET_SUFFIXES) and not _has_parquet_magic(fs, child.path):
-                logger.debug("skipping %s: not a Parquet file", child.path)
-                continue
+            if not child.path.lower().endswith(PARQUET_SUFFIXES):
+                before_request(f"magic bytes of {child.path}")
+                if not _has_parquet_magic(fs, child.path):
+                    logger.debug("skipping %s: not a Parquet file", child.path)
+                    continue
             found[child.path] = child
     if not found:
         raise SourceError(f"{source}: no Parquet files found")
@@ -159,8 +171,7 @@ def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo, max_attempts: int = 3,
                 backoff_s: float = 0.05) -> tuple[ParquetFile, pa.Schema, set[str], set[str]]:
     """Row-group sizes, Arrow schema, the columns that hold nulls somewhere in the file, and the
     optional columns whose footer does not say (no null count in some row group's statistics).
-    A storage error is retried like a row group's read (the listing's timeout bounds it all);
-    damaged data is not."""
+    A storage error is retried like a row group's read; damaged data is not."""
 
     def read() -> tuple[pq.FileMetaData, pa.Schema]:
         with fs.open_input_file(info.path) as handle:
@@ -302,13 +313,25 @@ def arrow_to_numpy(array: pa.Array | pa.ChunkedArray, widen_nulls: bool = False)
     numeric = pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
     if numeric and (array.null_count > 0 or widen_nulls):
         if not pa.types.is_floating(kind):
-            array = array.cast(pa.float64())
+            # lossy by contract: an integer beyond ±2**53 becomes the nearest float64 (a safe cast
+            # refuses it, which failed the read mid-epoch; docs/loader.md, "Batch columns")
+            array = array.cast(pa.float64(), safe=False)
         return array.to_numpy(zero_copy_only=False)
     return _to_numpy(array)
 
 
-def table_to_numpy(table: pa.Table, widen_columns: set[str] | frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
-    return {name: arrow_to_numpy(table.column(name), name in widen_columns) for name in table.column_names}
+def table_to_numpy(table: pa.Table, widen_columns: set[str] | frozenset[str] = frozenset(),
+                   what: str = "row group") -> dict[str, np.ndarray]:
+    """Every column of ``table`` per :func:`arrow_to_numpy`; a failure names ``what`` and the column."""
+    out = {}
+    for name in table.column_names:
+        try:
+            out[name] = arrow_to_numpy(table.column(name), name in widen_columns)
+        except (pa.ArrowException, ValueError, TypeError) as error:
+            kind = table.schema.field(name).type
+            raise RowGroupReadError(f"{what}: column {name!r} ({kind}) cannot be converted to NumPy: "
+                                    f"{type(error).__name__}: {error}") from error
+    return out
 
 
 @dataclass(frozen=True)
@@ -397,19 +420,49 @@ def check_read_columns(ref: RowGroupRef, table: pa.Table, index: "DatasetIndex")
                                     f"rewritten after the reader listed it? Open a new reader")
 
 
-def index_dataset(source: Any, columns: Sequence[str] | None = None, filesystem: Any | None = None) -> DatasetIndex:
-    """List ``source`` and read every footer (call it under a timeout: storage may hang)."""
-    fs, infos = list_parquet_files(source, filesystem)
-    files, refs, widen = [], [], set()
-    chosen: list[str] | None = list(columns) if columns is not None else None
-    types: dict[str, tuple[pa.DataType, str]] = {}  # column -> (type, first file with rows that has it)
+def _common_columns(schemas: Sequence[tuple[str, pa.Schema]]) -> list[str]:
+    """With ``columns=None``: every file's columns, which must be the same set. Taking the first
+    file's silently dropped a column added in later files, and the same files in the other sort
+    order failed as missing a column; the user names the columns to read instead."""
+    per_file = [(path, default_columns(schema)) for path, schema in schemas]
+    first = per_file[0][1]
+    if all(set(names) == set(first) for _, names in per_file):
+        return first
+    every = sorted({name for _, names in per_file for name in names})
+    common = [name for name in first if all(name in names for _, names in per_file)]
+    differing = [name for name in every if name not in common]
+    shown = []
+    for name in differing[:10]:
+        with_it = next(path for path, names in per_file if name in names)
+        without = next(path for path, names in per_file if name not in names)
+        shown.append(f"{name!r} is in {with_it} but not in {without}")
+    more = f"; and {len(differing) - 10} more" if len(differing) > 10 else ""
+    advice = (f"pass columns=[...] naming the columns to read (every file has {common})" if common
+              else "no column is in every file: read the files with different columns separately")
+    raise SourceError(f"files have different columns, so columns=None (all of them) is ambiguous: "
+                      f"{'; '.join(shown)}{more}; {advice}")
+
+
+def index_dataset(source: Any, columns: Sequence[str] | None = None, filesystem: Any | None = None,
+                  before_request: Callable[[str], None] = _no_watch) -> DatasetIndex:
+    """List ``source`` and read every footer. Storage may hang: run it on a thread that a watcher
+    can give up on; ``before_request(what)`` is called before each storage request (listing,
+    footer read), so the watcher can time each request and stop an abandoned listing there."""
+    fs, infos = list_parquet_files(source, filesystem, before_request)
+    footers = []
     for info in infos:
-        parquet_file, schema, has_nulls, unproven = read_footer(fs, info)
-        if chosen is None:
-            chosen = default_columns(schema)
-        missing = [name for name in chosen if name not in schema.names]
-        if missing:
-            raise SourceError(f"{info.path}: missing column(s) {missing}; it has {schema.names}")
+        before_request(f"footer of {info.path}")
+        footer = read_footer(fs, info)
+        if columns is not None and (missing := [name for name in columns if name not in footer[1].names]):
+            raise SourceError(f"{info.path}: missing column(s) {missing}; it has {footer[1].names}")
+        footers.append((info, *footer))
+    if columns is not None:
+        chosen = list(columns)
+    else:
+        chosen = _common_columns([(info.path, schema) for info, _, schema, *_ in footers])
+    files, refs, widen = [], [], set()
+    types: dict[str, tuple[pa.DataType, str]] = {}  # column -> (type, first file with rows that has it)
+    for info, parquet_file, schema, has_nulls, unproven in footers:
         if sum(parquet_file.row_group_sizes):  # an empty file is never read (pandas writes object columns as null)
             _check_same_types(info.path, schema, chosen, types)
         widen |= {name for name in chosen if name in has_nulls and _is_numeric(schema.field(name).type)}
@@ -423,4 +476,4 @@ def index_dataset(source: Any, columns: Sequence[str] | None = None, filesystem:
         files.append(parquet_file)
         refs.extend(RowGroupRef(parquet_file, i, n) for i, n in enumerate(parquet_file.row_group_sizes) if n > 0)
     column_types = {name: batch_type(kind) for name, (kind, _) in types.items()}
-    return DatasetIndex(fs, tuple(files), tuple(refs), tuple(chosen or ()), frozenset(widen), column_types)
+    return DatasetIndex(fs, tuple(files), tuple(refs), tuple(chosen), frozenset(widen), column_types)

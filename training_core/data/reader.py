@@ -22,7 +22,7 @@ from .order.elastic_positions import RankSchedule
 from .parquet_files import DatasetIndex, RowGroupReadError, index_dataset
 from .stats import ReaderStats, StatsRecorder
 from .window_buffers import WindowBuffers
-from .workers import THREAD_PREFIX, RowGroupLoader, call_with_timeout
+from .workers import THREAD_PREFIX, RowGroupLoader, call_with_request_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -180,10 +180,11 @@ class RowGroupReader:
         self.prefetch_batches = prefetch_batches
         self._row_groups_in_flight = max(2 * shuffle_buffer_row_groups, 2 * self.workers)
         self._id = f"{next(_reader_ids)}"
-        self._index: DatasetIndex = call_with_timeout(
-            lambda: index_dataset(source, columns, filesystem),
+        # read_timeout_s bounds each listing call and footer read, not all of them together
+        self._index: DatasetIndex = call_with_request_timeout(
+            lambda before_request: index_dataset(source, columns, filesystem, before_request),
             read_timeout_s,
-            f"{source}: listing and footers",
+            str(source),
             f"{THREAD_PREFIX}-{self._id}-index",
         )
         self._cache = RowGroupCache(cache) if cache is not None else None
@@ -200,13 +201,17 @@ class RowGroupReader:
     # -- order -----------------------------------------------------------------------------------
     def _layout(self) -> EpochLayout:
         p = self._position
-        key = (self.seed, p.epoch, p.layout_world_size, p.layout_batch_size, self.shuffle,
-               self.shuffle_buffer_row_groups, self.drop_last)
+        return self._layout_for(p, {key: getattr(self, key) for key in _ORDER_KEYS})
+
+    def _layout_for(self, p: _Position, order: dict[str, Any]) -> EpochLayout:
+        """The layout of position ``p``'s epoch under the order settings ``order`` (cached: one entry)."""
+        key = (order["seed"], p.epoch, p.layout_world_size, p.layout_batch_size, order["shuffle"],
+               order["shuffle_buffer_row_groups"], order["drop_last"])
         if self._layout_cache is None or self._layout_cache[0] != key:
             layout = build_epoch_layout(
-                self._index.row_group_sizes, seed=self.seed, epoch=p.epoch, world_size=p.layout_world_size,
-                batch_size=p.layout_batch_size, shuffle=self.shuffle,
-                window_row_groups=self.shuffle_buffer_row_groups, drop_last=self.drop_last,
+                self._index.row_group_sizes, seed=order["seed"], epoch=p.epoch, world_size=p.layout_world_size,
+                batch_size=p.layout_batch_size, shuffle=order["shuffle"],
+                window_row_groups=order["shuffle_buffer_row_groups"], drop_last=order["drop_last"],
             )
             self._layout_cache = (key, layout)
         return self._layout_cache[1]
@@ -282,22 +287,20 @@ class RowGroupReader:
                 f"state was saved for a dataset with other row groups (row_group_sizes_digest {saved_sizes!r}; this "
                 f"source's is {sizes}): its order differs, so resuming would repeat some rows and skip others"
             )
-        previous_order = {key: getattr(self, key) for key in _ORDER_KEYS}
+        # Everything is checked before anything changes: a rejected state leaves the reader, and
+        # an iteration running on it, as they were (closing first ended that iteration silently).
+        position = _Position(int(state["epoch"]), int(state["samples_in_epoch"]),
+                             int(state["layout_world_size"]), int(state["layout_batch_size"]))
+        order = {key: state[key] for key in _ORDER_KEYS}
+        if (total := self._layout_for(position, order).total_positions) < position.consumed:
+            raise ReaderStateError(f"reader state samples_in_epoch={state['samples_in_epoch']} is past the end of its "
+                                   f"epoch ({total} samples at world size {state['layout_world_size']})")
         for key in _ORDER_KEYS:
             if state[key] != getattr(self, key):
                 logger.warning("load_state_dict: %s=%r from the state replaces %r", key, state[key], getattr(self, key))
                 setattr(self, key, state[key])
         self._close_active()
-        previous, self._position = self._position, _Position(
-            int(state["epoch"]), int(state["samples_in_epoch"]),
-            int(state["layout_world_size"]), int(state["layout_batch_size"]),
-        )
-        if (total := self._layout().total_positions) < self._position.consumed:
-            self._position = previous
-            for key, value in previous_order.items():
-                setattr(self, key, value)
-            raise ReaderStateError(f"reader state samples_in_epoch={state['samples_in_epoch']} is past the end of its "
-                                   f"epoch ({total} samples at world size {state['layout_world_size']})")
+        self._position = position
         if self._schedule().num_batches == 0:
             self._advance_epoch()
 

@@ -152,11 +152,39 @@ class WorkerPool:
                 logger.warning("%s still blocked in storage after close; it exits when the read returns", thread.name)
 
 
-def call_with_timeout(fn: Callable[[], Any], timeout_s: float, label: str, name: str) -> Any:
-    """Run ``fn`` in a daemon thread; raise :class:`ReadTimeoutError` if it takes too long."""
+class RequestWatch:
+    """The storage request a listing thread is in, so that ``read_timeout_s`` bounds each request
+    (a listing call, a footer read), not the whole listing: one deadline for all of them meant a
+    dataset of more than ``read_timeout_s / latency`` files could never be opened. Once the waiter
+    gives up it sets ``stop``, and the abandoned listing's next request raises instead of opening
+    another file."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.current = ("starting", time.monotonic())  # (request, started at): replaced as one tuple
+
+    def before_request(self, request: str) -> None:
+        if self.stop.is_set():
+            raise ReaderClosedError(f"{request}: not started: a request timed out and the listing was abandoned")
+        self.current = (request, time.monotonic())
+
+
+def call_with_request_timeout(fn: Callable[[Callable[[str], None]], Any], timeout_s: float, label: str,
+                              name: str) -> Any:
+    """Run ``fn(before_request)`` in a daemon thread (``fn`` calls ``before_request(what)`` before each
+    storage request); raise :class:`ReadTimeoutError` once one request has run ``timeout_s``."""
+    watch = RequestWatch()
     pool = WorkerPool(1, name)
-    task = pool.submit(fn, label=label)
+    task = pool.submit(fn, watch.before_request, label=label)
     try:
+        while not task.done.is_set():
+            request, started = watch.current
+            left = started + timeout_s - time.monotonic()
+            if left <= 0 and not task.done.is_set():
+                watch.stop.set()
+                raise ReadTimeoutError(f"{label}: {request}: no result after read_timeout_s={timeout_s:g}s (the limit "
+                                       f"of each storage request); the storage may be hanging")
+            task.done.wait(min(_POLL_S, max(left, 0.0)))
         return task.wait(timeout_s, threading.Event())
     finally:
         pool.close(join_timeout_s=1.0 if task.done.is_set() else 0.0)
@@ -227,7 +255,7 @@ class RowGroupLoader:
         if table.num_rows != ref.num_rows:
             raise RowGroupReadError(f"{ref.describe()}: footer says {ref.num_rows} rows, read {table.num_rows}")
         check_read_columns(ref, table, self.index)
-        arrays = table_to_numpy(table, self.index.widen_columns)
+        arrays = table_to_numpy(table, self.index.widen_columns, ref.describe())
         value_ranges = None  # footer statistics describe the file's values, not a transform's
         if self.transform is not None:
             arrays = self._apply_transform(ref, arrays)
@@ -391,8 +419,9 @@ def load_all_row_groups(
 ) -> CacheWarmReport:
     """Implementation of :func:`training_core.data.cache.warm_cache`."""
     name = f"{THREAD_PREFIX}-warm-{id(config):x}"
-    index = call_with_timeout(
-        lambda: index_dataset(source, columns, filesystem), read_timeout_s, f"{source}: footers", name
+    index = call_with_request_timeout(
+        lambda before_request: index_dataset(source, columns, filesystem, before_request), read_timeout_s,
+        str(source), name,
     )
     cache = RowGroupCache(config)
     try:  # the cache handle is closed on failure too (a failed read leaves only whole, checksummed entries)
