@@ -1,16 +1,19 @@
-"""Source records (JSONL / JSON / CSV / Parquet): every bad record is named by file, line or row and
-field; messages name the file actually read (the partition substituted into the source template),
-and a null field is told apart from a missing one."""
+"""Source records (JSONL / JSON / CSV / Parquet, text ones also gzipped; local paths or fsspec URIs):
+every bad record is named by file, line or row and field; messages name the file actually read (the
+partition substituted into the source template, a URI with its scheme), a null field is told apart
+from a missing one, and no file in a source folder is skipped without a word."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import dagster as dg
+import fsspec
 import pytest
 
 from training_core.data.dataset_writer import DatasetSpec, write_dataset
-from training_core.data.sources import read_records
+from training_core.data.sources import read_records, read_records_with_origins
 from training_core.errors import EmptyPartitionError, SourceDataError
 
 
@@ -237,3 +240,105 @@ def test_the_same_records_frozen_again_from_another_file_are_named_in_that_file(
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
         frozen = _raw_examples(str(tmp_path / name), tmp_path / "home").value
     assert RecordLocations(frozen.path).users(1) == f"line 2 of {tmp_path / 'today.jsonl'}"
+
+
+def _jsonl(*prompts: str) -> str:
+    return "".join(json.dumps({"prompt": p, "response": "r"}) + "\n" for p in prompts)
+
+
+def test_a_uri_source_is_read_through_fsspec_and_named_with_its_scheme(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    memory = fsspec.filesystem("memory")
+    day = f"memory://tessera-{tmp_path.name}/exports/2026-11-02"  # memory:// is one store per process
+    try:
+        memory.pipe(f"{day}/a.jsonl", _jsonl("a", "b").encode())
+        with memory.open(f"{day}/sub/b.parquet", "wb") as handle:
+            pq.write_table(pa.table({"prompt": ["c"], "response": ["d"]}), handle)
+        memory.pipe(f"{day}/_SUCCESS", b"")
+        memory.pipe(f"{day}/.staging-1/a.jsonl", b'{"prompt": "cut off')
+        records, origins = read_records_with_origins(day)
+        assert [r["prompt"] for r in records] == ["a", "b", "c"]
+        assert [origins.describe(i) for i in (1, 2)] == [f"line 2 of {day}/a.jsonl",
+                                                         f"row 0 (0-based) of {day}/sub/b.parquet"]
+        assert read_records(f"{day}/a.jsonl") == records[:2]
+        memory.pipe(f"{day}/a.jsonl", (_jsonl("a") + '{"prompt": "p"}\n').encode())
+        with pytest.raises(SourceDataError, match=rf"^line 2 of {day}/a\.jsonl: missing field 'response'$"):
+            read_records(day + "/")
+        with pytest.raises(SourceDataError, match=rf"^source path {day}/missing does not exist$"):
+            read_records(f"{day}/missing")
+    finally:
+        memory.rm(f"memory://tessera-{tmp_path.name}", recursive=True)
+
+    (tmp_path / "day").mkdir()
+    (tmp_path / "day" / "a.jsonl").write_text(_jsonl("x") + "{not json\n")
+    with pytest.raises(SourceDataError, match=rf"^line 2 of file://{tmp_path}/day/a\.jsonl: not valid JSON"):
+        read_records(f"file://{tmp_path}/day")
+    (tmp_path / "day" / "a.jsonl").write_text(_jsonl("x"))
+    assert read_records(f"file://{tmp_path}/day/a.jsonl") == [{"prompt": "x", "response": "r"}]
+    # A store that cannot be reached (no credentials, no such protocol) is named with the cause.
+    with pytest.raises(SourceDataError, match=r"^source nosuch://bucket/day: cannot open its filesystem "
+                                              r"\(ValueError: Protocol not known: nosuch\)$"):
+        read_records("nosuch://bucket/day")
+
+
+def test_a_folder_of_gzipped_and_ndjson_parts_is_read_whole(tmp_path):
+    day = tmp_path / "2026-11-02"
+    day.mkdir()
+    (day / "part-0.jsonl").write_text(_jsonl("a", "b"))
+    (day / "part-1.JSONL.GZ").write_bytes(gzip.compress(_jsonl("c", "d", "e").encode()))
+    (day / "part-2.ndjson").write_text(_jsonl("f", "g"))
+    (day / "part-3.csv.gz").write_bytes(gzip.compress(b"prompt,response\nh,r\ni,r\n"))
+    (day / "part-4.json.gz").write_bytes(gzip.compress(json.dumps([{"prompt": "j", "response": "r"}]).encode()))
+    (day / "part-5.ndjson.gz").write_bytes(gzip.compress(_jsonl("k").encode()))
+    (day / "_SUCCESS").write_text("")
+    (day / ".part-0.jsonl.crc").write_bytes(b"\x00")
+    records, origins = read_records_with_origins(day)
+    assert [r["prompt"] for r in records] == list("abcdefghijk")
+    assert [origins.describe(i) for i in (4, 6, 8, 9, 10)] == [
+        f"line 3 of {day / 'part-1.JSONL.GZ'}", f"line 2 of {day / 'part-2.ndjson'}",
+        f"line 3 of {day / 'part-3.csv.gz'}",
+        f"item 0 (0-based) of {day / 'part-4.json.gz'}", f"line 1 of {day / 'part-5.ndjson.gz'}"]
+    (day / "part-1.JSONL.GZ").write_bytes(gzip.compress((_jsonl("c") + '{"prompt": "p"}\n').encode()))
+    with pytest.raises(SourceDataError, match=r"^line 2 of .*part-1\.JSONL\.GZ: missing field 'response'$"):
+        read_records(day)
+
+
+def test_a_folder_holding_files_it_does_not_read_is_refused_naming_them(tmp_path):
+    day = tmp_path / "2026-11-02"
+    (day / "notes").mkdir(parents=True)
+    (day / "part-0.jsonl").write_text(_jsonl("a"))
+    (day / "part-1.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    with pytest.raises(SourceDataError, match=rf"^{day}: 1 file\(s\) that are not data files: part-1\.jsonl\.zst; "
+                                              r"a source folder holds only \.jsonl/\.ndjson/\.json/\.csv/\.parquet "):
+        read_records(day)
+    for name in ("README.md", "notes/todo.txt", "part-2.parquet.gz", "LICENSE", "part-3.tsv", "z.xlsx"):
+        (day / name).write_text("x")
+    with pytest.raises(SourceDataError, match=r": 7 file\(s\) that are not data files: LICENSE, README\.md, "
+                                              r"notes/todo\.txt, part-1\.jsonl\.zst, part-2\.parquet\.gz and 2 more; "
+                                              r".*Move the others out"):
+        read_records(day)
+    with pytest.raises(SourceDataError, match=r"part-2\.parquet\.gz: unsupported file type '\.parquet\.gz'"):
+        read_records(day / "part-2.parquet.gz")
+    assert read_records(day / "part-0.jsonl") == [{"prompt": "a", "response": "r"}]  # one file: the others unread
+
+
+def test_a_corrupt_gzip_file_is_named(tmp_path):
+    (tmp_path / "plain.jsonl.gz").write_text(_jsonl("a"))  # named .gz, never compressed
+    with pytest.raises(SourceDataError, match=r"^.*plain\.jsonl\.gz: not a readable gzip file \(Not a gzipped file"):
+        read_records(tmp_path / "plain.jsonl.gz")
+    (tmp_path / "cut.csv.gz").write_bytes(gzip.compress(b"prompt,response\n" + b"p,r\n" * 100)[:-12])
+    with pytest.raises(SourceDataError, match=r"^.*cut\.csv\.gz: not a readable gzip file \(Compressed file ended"):
+        read_records(tmp_path / "cut.csv.gz")
+
+
+def test_empty_csv_header_names_are_unused_columns_not_repeated_ones(tmp_path):
+    path = tmp_path / "export.csv"
+    path.write_bytes(b"prompt,response,,\r\na,b,,\r\n")  # a spreadsheet's unused trailing columns
+    assert read_records(path) == [{"prompt": "a", "response": "b"}]
+    path.write_text("prompt,,response,\nx,ignored,y,also ignored\n")
+    assert read_records(path) == [{"prompt": "x", "response": "y"}]
+    path.write_text("prompt,response,,response\nx,y,,z\n")  # a real name repeated is still refused
+    with pytest.raises(SourceDataError, match=r"line 1 of .*export\.csv: column\(s\) \['response'\] appear more"):
+        read_records(path)

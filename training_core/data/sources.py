@@ -1,68 +1,175 @@
 """Reading instruction records (`prompt`, `response`) from JSONL, CSV or Parquet files.
 
-Every malformed record raises `SourceDataError` naming the file and line (JSONL/CSV: 1-based line
-number, where the row starts; a `.json` array: 0-based item; Parquet: 0-based row index), so the
-fix is one edit away. Text files must be UTF-8 (a byte-order mark is allowed).
+A source is a local file or folder, or an fsspec URI (`s3://bucket/day/`, `gs://…`, `file:///…`,
+`memory://…`); a folder is searched recursively. Read: `.jsonl` / `.ndjson` (JSON Lines), `.json`
+(JSON Lines or one array), `.csv` — each also gzip-compressed (`.jsonl.gz`) — and `.parquet`.
+Hidden (`.`) and underscore (`_SUCCESS`, `_temporary/`) names are skipped; any other file in a
+folder is refused by name, so that no part of a day's export is left out without a word.
+
+Every malformed record raises `SourceDataError` naming the file (as the user wrote it, URI scheme
+included) and line (JSONL/CSV: 1-based line number, where the row starts; a `.json` array: 0-based
+item; Parquet: 0-based row index), so the fix is one edit away. Text files must be UTF-8 (a
+byte-order mark is allowed).
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
 import os
 import threading
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Any
 
+import fsspec
+import fsspec.core
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training_core.errors import SourceDataError
 
 REQUIRED_FIELDS = ("prompt", "response")
 ORIGINS_FILE = ".origins.json"  # beside a frozen copy of records: hidden, outside its digest
-SUPPORTED_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+TEXT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv")  # each may also end in .gz
+SUPPORTED_SUFFIXES = (*TEXT_SUFFIXES, ".parquet")
+READ_SUFFIXES = f"{'/'.join(SUPPORTED_SUFFIXES)} (the text ones also gzip-compressed, e.g. .jsonl.gz)"
+SHOWN_REFUSED_FILES = 5
 
 
-def list_source_files(source: str | Path) -> list[Path]:
-    """The data files at `source` (a file or a directory searched recursively), sorted. Suffixes
-    match in any case (`A.JSONL`); a file given directly must have one of them."""
-    if not str(source).strip():
-        raise SourceDataError("source is empty; give a JSONL/CSV/Parquet file or a folder of them")
-    path = Path(source).expanduser()
+@dataclass(frozen=True)
+class SourceFile:
+    """One data file, read through `fs` (fsspec) at `path`; `location` is how messages and origins show
+    it: the local path, or the URI with its scheme (`s3://bucket/day/a.jsonl`)."""
+
+    location: str
+    path: str
+    fs: Any = field(repr=False, compare=False)
+
+    def __str__(self) -> str:
+        return self.location
+
+    @property
+    def suffix(self) -> str:
+        """Lower case, a `.gz` kept with the suffix it compresses: 'A.JSONL.GZ' -> '.jsonl.gz'."""
+        path = PurePosixPath(self.path.lower())
+        return PurePosixPath(path.stem).suffix + ".gz" if path.suffix == ".gz" else path.suffix
+
+    @property
+    def format(self) -> str | None:
+        """'jsonl', 'json', 'csv' or 'parquet'; None for a file that is not read."""
+        suffix = self.suffix
+        if suffix.endswith(".gz") and suffix[:-3] in TEXT_SUFFIXES:
+            suffix = suffix[:-3]
+        if suffix not in SUPPORTED_SUFFIXES:
+            return None
+        return "jsonl" if suffix == ".ndjson" else suffix[1:]
+
+
+def _is_skipped(relative: str) -> bool:
+    # Hidden and underscore names anywhere below the source root are not data: a writer's staging
+    # folder (.staging-*, Spark's _temporary/) may hold partial files; _SUCCESS and .crc are markers.
+    return any(part.startswith((".", "_")) for part in PurePosixPath(relative).parts)
+
+
+def _cause(error: Exception) -> str:
+    # An OSError says what it is ("[Errno 13] Permission denied"); a store's own types may not.
+    return str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
+
+
+def _list_local(path: Path) -> tuple[bool, list[tuple[str, SourceFile]]]:
+    """(is a folder, [(path relative to `path`, file)] sorted); hidden and underscore names left out."""
     if not path.exists():
         raise SourceDataError(f"source path {path} does not exist")
+    local = fsspec.filesystem("file")
     if path.is_file():
-        if path.suffix.lower() not in SUPPORTED_SUFFIXES:
-            raise SourceDataError(f"{path}: unsupported file type {path.suffix or '(no suffix)'!r}; "
-                                  f"expected one of {'/'.join(SUPPORTED_SUFFIXES)}")
-        files = [path]
-    else:
-        files = sorted(
-            p
-            for p in path.rglob("*")
-            # Hidden and underscore names anywhere below `path` are not data: a writer's staging
-            # folder (.staging-*, Spark's _temporary/) may hold partial files.
-            if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES
-            and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
+        return False, [(path.name, SourceFile(str(path), str(path), local))]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not _is_skipped(p.relative_to(path).as_posix()))
+    return True, [(p.relative_to(path).as_posix(), SourceFile(str(p), str(p), local)) for p in files]
+
+
+def _list_uri(uri: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
+    """As `_list_local`, for an fsspec URI; names keep the URI as written, scheme included."""
+    try:
+        fs, root = fsspec.core.url_to_fs(uri)
+    except Exception as error:  # ImportError: s3fs/gcsfs not installed; ValueError: unknown protocol
+        raise SourceDataError(f"source {uri}: cannot open its filesystem ({_cause(error)})") from error
+    try:
+        exists = fs.exists(root)
+        is_file = exists and fs.isfile(root)
+        found = fs.find(root) if exists and not is_file else []
+    except Exception as error:  # a store's own types too: botocore's NoCredentialsError is no OSError
+        raise SourceDataError(f"source {uri}: cannot be listed ({_cause(error)})") from error
+    if not exists:
+        raise SourceDataError(f"source path {uri} does not exist")
+    if is_file:
+        return False, [(PurePosixPath(root).name, SourceFile(uri, root, fs))]
+    base = root.rstrip("/") + "/"
+    relative = sorted((p[len(base):] for p in found if p.startswith(base) and len(p) > len(base)),
+                      key=lambda r: PurePosixPath(r).parts)  # parts, as local Paths sort
+    return True, [(r, SourceFile(f"{uri.rstrip('/')}/{r}", base + r, fs)) for r in relative if not _is_skipped(r)]
+
+
+def list_source_files(source: str | Path) -> list[SourceFile]:
+    """The data files at `source` (a file, or a folder searched recursively; a local path or an
+    fsspec URI), sorted. Suffixes match in any case (`A.JSONL`); a file given directly must have
+    one of them, and a folder may hold no other visible file."""
+    text = os.fspath(source)
+    if not text.strip():
+        raise SourceDataError("source is empty; give a JSONL/CSV/Parquet file or a folder of them (a path or a URI)")
+    # As in parquet_files: "://" marks a URI, whose path is the store's (never `~`-expanded).
+    root = text if "://" in text else str(Path(text).expanduser())
+    is_folder, found = _list_uri(text) if "://" in text else _list_local(Path(root))
+    if not is_folder:
+        file = found[0][1]
+        if file.format is None:
+            raise SourceDataError(f"{file}: unsupported file type {file.suffix or '(no suffix)'!r}; "
+                                  f"expected one of {READ_SUFFIXES}")
+        return [file]
+    # Skipping a file silently would train on part of the export (a day's .jsonl.gz parts, say).
+    if refused := [relative for relative, file in found if file.format is None]:
+        shown = ", ".join(refused[:SHOWN_REFUSED_FILES])
+        more = f" and {len(refused) - SHOWN_REFUSED_FILES} more" if len(refused) > SHOWN_REFUSED_FILES else ""
+        raise SourceDataError(
+            f"{root}: {len(refused)} file(s) that are not data files: {shown}{more}; "
+            f"a source folder holds only {READ_SUFFIXES} files (hidden and _-prefixed names are skipped). "
+            "Move the others out (or rename them to start with '_'), or point `source` at the data files"
         )
-    if not files:
-        raise SourceDataError(f"no {'/'.join(SUPPORTED_SUFFIXES)} files under {path}")
-    return files
+    if not found:
+        raise SourceDataError(f"no {READ_SUFFIXES} files under {root}")
+    return [file for _, file in found]
 
 
-def _read_text(path: Path) -> str:
+def _read_bytes(file: SourceFile) -> bytes:
+    """The file's bytes, decompressed (in memory) when its name ends in .gz."""
+    try:
+        data = file.fs.cat_file(file.path)
+    except Exception as error:  # a store's own types too (no credentials, access denied)
+        raise SourceDataError(f"{file}: cannot be read ({_cause(error)})") from error
+    if not file.suffix.endswith(".gz"):
+        return data
+    try:
+        return gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as error:  # BadGzipFile is an OSError; EOFError: cut short
+        raise SourceDataError(f"{file}: not a readable gzip file ({error}); was it cut short, or "
+                              "named .gz without being compressed?") from error
+
+
+def _read_text(file: SourceFile) -> str:
     """The file as UTF-8 text (a leading byte-order mark, as Excel writes, is dropped); bytes that
     are not UTF-8 are refused with their line and column."""
-    data = path.read_bytes()
+    data = _read_bytes(file)
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
-        line_start = data.rfind(b"\n", 0, error.start) + 1
+        column = error.start - data.rfind(b"\n", 0, error.start)
         line = data.count(b"\n", 0, error.start) + 1
         raise SourceDataError(
-            f"line {line} of {path}: not UTF-8 (byte 0x{data[error.start]:02x} at column {error.start - line_start + 1}); "
+            f"line {line} of {file}: not UTF-8 (byte 0x{data[error.start]:02x} at column {column}); "
             "save the file as UTF-8"
         ) from error
 
@@ -88,37 +195,38 @@ def _validated(record: object, where: str) -> dict[str, str]:
     return clean
 
 
-def _read_json(path: Path) -> tuple[str, Iterator[tuple[dict[str, str], int]]]:
+def _read_json(file: SourceFile) -> tuple[str, Iterator[tuple[dict[str, str], int]]]:
     """("item", records of a `.json` array) or ("line", records of JSON Lines), the file read once."""
-    text = _read_text(path)
-    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
-        return "item", _read_json_array(path, text)
-    return "line", _read_json_lines(path, text)
+    text = _read_text(file)
+    if file.format == "json" and text.lstrip().startswith("["):
+        return "item", _read_json_array(file, text)
+    return "line", _read_json_lines(file, text)
 
 
-def _read_json_lines(path: Path, text: str) -> Iterator[tuple[dict[str, str], int]]:
+def _read_json_lines(file: SourceFile, text: str) -> Iterator[tuple[dict[str, str], int]]:
     for line_number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): U+2028 may sit in a string
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            hint = " (.json files hold JSON Lines, one object per line, or one JSON array)" if path.suffix.lower() == ".json" else ""
-            raise SourceDataError(f"line {line_number} of {path}: not valid JSON ({error.msg}){hint}") from error
-        yield _validated(record, f"line {line_number} of {path}"), line_number
+            hint = (" (.json files hold JSON Lines, one object per line, or one JSON array)"
+                    if file.format == "json" else "")
+            raise SourceDataError(f"line {line_number} of {file}: not valid JSON ({error.msg}){hint}") from error
+        yield _validated(record, f"line {line_number} of {file}"), line_number
 
 
-def _read_json_array(path: Path, text: str) -> Iterator[tuple[dict[str, str], int]]:
+def _read_json_array(file: SourceFile, text: str) -> Iterator[tuple[dict[str, str], int]]:
     try:
         items = json.loads(text)
     except json.JSONDecodeError as error:
-        raise SourceDataError(f"line {error.lineno} of {path}: not valid JSON ({error.msg})") from error
+        raise SourceDataError(f"line {error.lineno} of {file}: not valid JSON ({error.msg})") from error
     for index, item in enumerate(items):
-        yield _validated(item, f"item {index} (0-based) of the JSON array in {path}"), index
+        yield _validated(item, f"item {index} (0-based) of the JSON array in {file}"), index
 
 
-def _read_csv(path: Path) -> Iterator[tuple[dict[str, str], int]]:
-    text = _read_text(path)
+def _read_csv(file: SourceFile) -> Iterator[tuple[dict[str, str], int]]:
+    text = _read_text(file)
     # csv's default limit (131,072 characters a field) would call a long but valid record malformed;
     # no field is longer than its file, and a record too long to train on is named where it is packed.
     csv.field_size_limit(max(csv.field_size_limit(), len(text)))
@@ -126,13 +234,14 @@ def _read_csv(path: Path) -> Iterator[tuple[dict[str, str], int]]:
     try:
         header = next(reader, [])
     except csv.Error as error:
-        raise SourceDataError(f"line 1 of {path}: malformed CSV header ({error})") from error
+        raise SourceDataError(f"line 1 of {file}: malformed CSV header ({error})") from error
     missing = [f for f in REQUIRED_FIELDS if f not in header]
     if missing:
-        raise SourceDataError(f"{path}: header lacks column(s) {missing}; it has {header}")
-    # A repeated name would keep only its last column's cells, silently.
-    if repeated := sorted({name for name in header if header.count(name) > 1}):
-        raise SourceDataError(f"line 1 of {path}: column(s) {repeated} appear more than once in the header {header}")
+        raise SourceDataError(f"{file}: header lacks column(s) {missing}; it has {header}")
+    # A repeated name would keep only its last column's cells, silently. Empty names (a spreadsheet's
+    # unused trailing columns: "prompt,response,,") name no column to read, so they may repeat.
+    if repeated := sorted({name for name in header if name.strip() and header.count(name) > 1}):
+        raise SourceDataError(f"line 1 of {file}: column(s) {repeated} appear more than once in the header {header}")
     while True:
         line_number = reader.line_num + 1  # where the next row starts (a quoted field may span lines)
         try:
@@ -140,27 +249,30 @@ def _read_csv(path: Path) -> Iterator[tuple[dict[str, str], int]]:
         except StopIteration:
             return
         except csv.Error as error:  # e.g. a quote never closed
-            raise SourceDataError(f"line {line_number} of {path}: malformed CSV ({error})") from error
+            raise SourceDataError(f"line {line_number} of {file}: malformed CSV ({error})") from error
         if not cells:
             continue  # blank line
         # zip would drop extra cells: a response cut at an unquoted comma. Empty ones (a trailing
         # comma a spreadsheet left) hold nothing to lose.
         if len(cells) > len(header) and any(cells[len(header):]):
-            raise SourceDataError(f"line {line_number} of {path}: {len(cells)} cells but the header has {len(header)} "
+            raise SourceDataError(f"line {line_number} of {file}: {len(cells)} cells but the header has {len(header)} "
                                   "columns (an unquoted comma? quote fields that contain commas)")
-        yield _validated(dict(zip(header, cells)), f"line {line_number} of {path}"), line_number
+        yield _validated(dict(zip(header, cells)), f"line {line_number} of {file}"), line_number
 
 
-def _read_parquet(path: Path) -> Iterator[tuple[dict[str, str], int]]:
+def _read_parquet(file: SourceFile) -> Iterator[tuple[dict[str, str], int]]:
+    # Read whole, like the text files: a store's errors then all say "cannot be read", and what
+    # pyarrow refuses is the file's content. The table built from it is larger anyway.
+    data = _read_bytes(file)
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(pa.BufferReader(data))
     except Exception as error:  # pyarrow raises several types for unreadable files
-        raise SourceDataError(f"{path}: not a readable Parquet file ({error})") from error
+        raise SourceDataError(f"{file}: not a readable Parquet file ({error})") from error
     missing = [f for f in REQUIRED_FIELDS if f not in table.column_names]
     if missing:
-        raise SourceDataError(f"{path}: schema lacks column(s) {missing}")
+        raise SourceDataError(f"{file}: schema lacks column(s) {missing}")
     for row_index, row in enumerate(table.select(list(REQUIRED_FIELDS)).to_pylist()):
-        yield _validated(row, f"row {row_index} (0-based) of {path}"), row_index
+        yield _validated(row, f"row {row_index} (0-based) of {file}"), row_index
 
 
 @dataclass
@@ -218,20 +330,16 @@ def read_records_with_origins(source: str | Path) -> tuple[list[dict[str, str]],
     """All records from every data file at `source`, in file order, and where each came from."""
     records: list[dict[str, str]] = []
     origins = RecordOrigins()
-    for path in list_source_files(source):
-        suffix = path.suffix.lower()
-        try:
-            if suffix in (".jsonl", ".json"):
-                unit, rows = _read_json(path)
-            elif suffix == ".csv":
-                unit, rows = "line", _read_csv(path)
-            else:
-                unit, rows = "row", _read_parquet(path)
-            origins.files.append((str(path), unit))
-            file_index = len(origins.files) - 1
-            for record, number in rows:
-                records.append(record)
-                origins.positions.append((file_index, number))
-        except OSError as error:
-            raise SourceDataError(f"{path}: cannot be read ({error})") from error
+    for file in list_source_files(source):
+        if file.format in ("jsonl", "json"):
+            unit, rows = _read_json(file)
+        elif file.format == "csv":
+            unit, rows = "line", _read_csv(file)
+        else:
+            unit, rows = "row", _read_parquet(file)
+        origins.files.append((file.location, unit))  # the URI with its scheme: later messages name it
+        file_index = len(origins.files) - 1
+        for record, number in rows:
+            records.append(record)
+            origins.positions.append((file_index, number))
     return records, origins
