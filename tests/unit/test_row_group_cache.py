@@ -421,7 +421,8 @@ def _integer_table(rows: int, shift: int) -> pa.Table:
 @pytest.mark.parametrize("statistics", [True, False])
 def test_statistics_narrowing_picks_the_dtype_a_scan_picks(tmp_path, statistics):
     from training_core.data.cache_payload import narrow_dtype
-    from training_core.data.parquet_files import index_dataset, read_row_group_table, table_to_numpy
+    from training_core.data.arrow_numpy import table_to_numpy
+    from training_core.data.parquet_files import index_dataset, read_row_group_table
 
     table = pa.concat_tables([_integer_table(300, shift) for shift in (0, 7, 300)])
     pq.write_table(table, tmp_path / "ints.parquet", row_group_size=300, write_statistics=statistics)

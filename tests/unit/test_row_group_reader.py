@@ -692,17 +692,18 @@ def test_integers_beyond_2_to_the_53_widen_to_the_nearest_float(tmp_path, statis
 
 
 def test_a_column_that_cannot_be_converted_is_named(tmp_path, monkeypatch):
+    import training_core.data.arrow_numpy as arrow_numpy
     import training_core.data.parquet_files as parquet_files
 
     pq.write_table(pa.table({"id": [1, 2], "x": [3, 4]}), tmp_path / "a.parquet")
-    real = parquet_files.arrow_to_numpy
+    real = arrow_numpy.arrow_to_numpy
 
     def failing(array, widen_nulls=False):
         if array.to_pylist() == [3, 4]:
             raise pa.ArrowInvalid("simulated conversion failure")
         return real(array, widen_nulls)
 
-    monkeypatch.setattr(parquet_files, "arrow_to_numpy", failing)
+    monkeypatch.setattr(arrow_numpy, "arrow_to_numpy", failing)
     with RowGroupReader(tmp_path / "a.parquet", workers=1) as reader:
         with pytest.raises(parquet_files.RowGroupReadError,
                            match=r"a\.parquet row group 0: column 'x' \(int64\) cannot be converted to NumPy: "

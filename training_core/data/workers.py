@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
+from .arrow_numpy import table_to_numpy
 from .cache import BufferPool, CacheConfig, CacheWarmReport, RowGroupCache, cache_key, cache_version
 from .cache_payload import narrow_columns
 from .cache_writer import CacheWriter
@@ -28,7 +29,6 @@ from .parquet_files import (
     check_read_columns,
     index_dataset,
     read_row_group_table,
-    table_to_numpy,
 )
 
 logger = logging.getLogger(__name__)
