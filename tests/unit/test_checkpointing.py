@@ -230,3 +230,59 @@ def test_engine_state_is_dropped_only_next_to_a_finished_checkpoint(tmp_path, fi
         final = _checkpoint(tmp_path / "download", "checkpoint_000002", step=20, world_size=1, model=True)
     assert drop_engine_state_of_earlier_checkpoints(run, final) == []
     assert (older / ENGINE_DIR / "shard-0.pt").is_file() and verify_checkpoint_files(older) == []
+
+
+def _ray_list(run_directory, *checkpoints, latest):
+    """Ray's checkpoint list as Ray 2.60 writes it: ``latest`` is the one it hands the workers."""
+    from training_core.train.checkpointing import RAY_SNAPSHOT
+
+    def entry(folder):
+        return {"version": 0, "checkpoint_dir_name": folder.name, "metrics": {}}
+
+    (run_directory / RAY_SNAPSHOT).write_text(json.dumps({
+        "ray_version": "2.60.0", "checkpoint_results": [entry(c) for c in checkpoints],
+        "checkpoint_report_indices": list(range(len(checkpoints))), "latest_checkpoint_result": entry(latest)}))
+
+
+def test_resuming_an_unfinished_zero_run_at_another_world_size_is_refused_before_any_worker_starts(tmp_path):
+    from training_core.errors import ConfigError
+    from training_core.train.config import TrainingConfig
+    from training_core.train.launcher import check_relaunch_world_size
+
+    run = tmp_path / "ray" / "train-run"
+    _checkpoint(run, "checkpoint_000001", step=3, world_size=1)
+    _checkpoint(run, "checkpoint_000002", step=6, world_size=1)
+    with pytest.raises(ConfigError, match=rf"^run folder {re.escape(str(run))} holds an unfinished run \(checkpoint "
+                       r"checkpoint_000002, step 6\) trained by 1 worker\(s\); num_workers=2 cannot resume it: ZeRO "
+                       r"stage 2 .*Relaunch with num_workers=1 to finish it, or use a new run_name to start over$"):
+        check_relaunch_world_size(TrainingConfig(num_workers=2, zero_stage=2), run)
+    check_relaunch_world_size(TrainingConfig(num_workers=1, zero_stage=2), run)  # the same world resumes
+    check_relaunch_world_size(TrainingConfig(num_workers=2, zero_stage=0), run)  # ZeRO-0 state is not partitioned
+    check_relaunch_world_size(TrainingConfig(num_workers=2), tmp_path / "ray" / "new-run")  # nothing to resume
+
+
+def test_a_finished_run_is_relaunched_at_any_world_size(tmp_path):
+    from training_core.train.config import TrainingConfig
+    from training_core.train.launcher import check_relaunch_world_size
+
+    run = tmp_path / "ray" / "train-run"
+    periodic, final = _finished_run(run, world_size=1)  # the periodic one still holds its engine state
+    _ray_list(run, periodic, final, latest=final)
+    for workers in (1, 2, 3):
+        check_relaunch_world_size(TrainingConfig(num_workers=workers, zero_stage=3), run)
+
+
+def test_the_world_size_check_reads_the_checkpoint_ray_hands_the_workers(tmp_path):
+    from training_core.errors import ConfigError
+    from training_core.train.checkpointing import checkpoint_a_relaunch_resumes_from
+    from training_core.train.config import TrainingConfig
+    from training_core.train.launcher import check_relaunch_world_size
+
+    # A worker finished the run but died before Ray registered the final checkpoint: Ray still
+    # hands the workers the periodic one, and resuming it at 2 workers fails in DeepSpeed.
+    run = tmp_path / "ray" / "train-run"
+    periodic, final = _finished_run(run, world_size=1)
+    _ray_list(run, periodic, latest=periodic)
+    assert find_latest_checkpoint(run) == final and checkpoint_a_relaunch_resumes_from(run) == periodic
+    with pytest.raises(ConfigError, match=r"checkpoint checkpoint_000002, step 20\) trained by 1 worker"):
+        check_relaunch_world_size(TrainingConfig(num_workers=2), run)

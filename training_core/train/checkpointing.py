@@ -273,13 +273,32 @@ def set_aside_unusable_ray_snapshot(run_directory: Path, ray_version: str) -> st
     return reason
 
 
+def checkpoint_a_relaunch_resumes_from(run_directory: Path) -> Path | None:
+    """The checkpoint folder a relaunch's workers will resume from, or None for a fresh start.
+
+    Ray hands the workers the latest checkpoint of its list (``latest_checkpoint_result``); with
+    no list, or none in it, they take the newest complete one on disk (`find_latest_checkpoint`).
+    Call it after `set_aside_unusable_ray_snapshot`, which moves away a list Ray would not use."""
+    try:
+        latest = json.loads((run_directory / RAY_SNAPSHOT).read_text()).get("latest_checkpoint_result")
+        if latest:
+            return run_directory / latest["checkpoint_dir_name"]
+    except (OSError, ValueError, AttributeError, TypeError, KeyError):
+        pass  # no usable list: Ray hands the workers no checkpoint
+    return find_latest_checkpoint(run_directory)
+
+
 def restore_checkpoint(directory: Path, engine, rank: int) -> tuple[TrainingProgress, dict | None]:
     """Load engine state and this rank's RNG/loader state. Returns (progress, loader_state).
 
-    A rank with no file of its own (the world grew) keeps fresh RNG and takes rank 0's loader
-    state: the reader's state is global, so any rank may load it. A finished run's final
-    checkpoint has no engine state: the engine is left as it is (the caller takes the model from
-    ``model/``).
+    The loader state is global and elastic: the reader's position loads at any rank and world
+    size, so a rank with no file of its own (the world grew) takes rank 0's and keeps fresh RNG.
+    The engine state is not: under ZeRO (stage >= 1) DeepSpeed partitions the optimizer state
+    across the ranks that saved it and loads it only at that world size, so an unfinished run
+    resumes at another world size only under ZeRO-0 (the launcher refuses the rest before any
+    worker starts, `check_relaunch_world_size`). A finished run's final checkpoint has no engine
+    state, so a relaunch at any world size works: the engine is left as it is (the caller takes
+    the model from ``model/``).
     """
     progress = load_progress(directory)
     if (directory / ENGINE_DIR).is_dir():

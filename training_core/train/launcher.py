@@ -15,7 +15,9 @@ from training_core.base_model import check_context_length, load_model_config, vo
 from training_core.errors import ConfigError
 from training_core.storage import directory_digest, replace_directory, staging_directory
 from training_core.train.checkpointing import (
+    ENGINE_DIR,
     MODEL_DIR,
+    checkpoint_a_relaunch_resumes_from,
     drop_engine_state_of_earlier_checkpoints,
     load_progress,
     set_aside_unusable_ray_snapshot,
@@ -86,6 +88,28 @@ def check_epochs_hold_an_optimizer_step(config: TrainingConfig, rows: int) -> No
         )
 
 
+def check_relaunch_world_size(config: TrainingConfig, run_directory: Path) -> None:
+    """Refuse a relaunch that would resume an unfinished run at another world size under ZeRO:
+    DeepSpeed partitions the optimizer state across the ranks that saved it and refuses it at
+    any other world size, in every worker, on every retry. A finished run (its final checkpoint
+    holds no engine state) and ZeRO-0 engine state (not partitioned) resume at any world size."""
+    checkpoint = checkpoint_a_relaunch_resumes_from(run_directory)
+    if checkpoint is None or config.zero_stage == 0:
+        return
+    try:
+        progress = load_progress(checkpoint)
+    except (OSError, ValueError, TypeError, KeyError):
+        return  # the workers report an unreadable checkpoint by name
+    if progress.finished or progress.world_size == config.num_workers or not (checkpoint / ENGINE_DIR).is_dir():
+        return
+    raise ConfigError(
+        f"run folder {run_directory} holds an unfinished run (checkpoint {checkpoint.name}, step {progress.step}) "
+        f"trained by {progress.world_size} worker(s); num_workers={config.num_workers} cannot resume it: ZeRO stage "
+        f"{config.zero_stage} partitions the optimizer state across the {progress.world_size} rank(s) that saved it. "
+        f"Relaunch with num_workers={progress.world_size} to finish it, or use a new run_name to start over"
+    )
+
+
 def run_training(
     config: TrainingConfig,
     *,
@@ -132,6 +156,7 @@ def run_training(
     )
     use_quick_health_checks()
     set_aside_unusable_ray_snapshot(storage_path / run_name, ray.__version__)
+    check_relaunch_world_size(config, storage_path / run_name)  # after: it reads the list Ray will use
     trainer = torch_trainer_class()(
         train_loop_per_worker,
         train_loop_config=inputs.as_dict(),
