@@ -138,7 +138,8 @@ def lora_adapter(
             "reused_earlier_run": tracked.reused,
             "first_loss": losses[0],
             "final_loss": losses[-1],
-            "tokens_per_s": telemetry.get("tokens_per_s", 0.0),
+            "tokens_per_s": telemetry.get("tokens_per_s", 0.0),  # over training time: checkpoints excluded
+            "checkpoint_s": telemetry.get("checkpoint_s", 0.0),
             "data_stall_fraction": telemetry.get("data_stall_fraction", 0.0),
             "cache_hit_rate": telemetry.get("loader_cache_hits", 0) / lookups if lookups else 0.0,
             "mfu": telemetry.get("mfu", 0.0),

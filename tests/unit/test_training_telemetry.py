@@ -40,6 +40,106 @@ def test_step_timer_counts_a_blocked_phase_as_blocked():
     assert summary["backward_blocked_s"] == timer.blocked["backward"]
 
 
+class FakeClock:
+    """A clock that moves only when the test says so: seconds of "work" without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+STEP_SECONDS = {"data_wait": 0.25, "forward": 0.5, "backward": 1.0, "optimizer": 0.25}  # 2 s, 512 tokens a step
+
+
+def _train(timer: StepTimer, clock: FakeClock, steps: int, checkpoint_every: int | None = None,
+           checkpoint_seconds: float = 0.0, inside: str | None = None) -> None:
+    """`steps` steps at the same speed; a checkpoint every `checkpoint_every` steps, after the step
+    (as the loop reports) or, with `inside`, in the middle of that phase (a report inside a step)."""
+    for step in range(1, steps + 1):
+        checkpoint_now = checkpoint_every is not None and step % checkpoint_every == 0
+        for phase, seconds in STEP_SECONDS.items():
+            with timer.phase(phase):
+                clock.advance(seconds / 2)
+                if checkpoint_now and phase == inside:
+                    with timer.checkpoint():
+                        clock.advance(checkpoint_seconds)
+                clock.advance(seconds / 2)
+        timer.tokens += 512
+        timer.steps += 1
+        if checkpoint_now and inside is None:
+            with timer.checkpoint():
+                clock.advance(checkpoint_seconds)
+
+
+def _timer(clock: FakeClock, **kwargs) -> StepTimer:
+    return StepTimer(clock=clock, cpu_clock=clock, **kwargs)  # all CPU: nothing blocked
+
+
+@pytest.mark.parametrize("inside", [None, "data_wait", "optimizer"],
+                         ids=["between steps", "in data_wait", "in optimizer"])
+def test_checkpoints_are_reported_as_checkpoint_s_and_leave_throughput_unchanged(inside):
+    # The same 20 steps at the same speed, checkpointing never vs every 5 steps (3 s each): users
+    # compare tokens/s and MFU across configurations with different checkpoint intervals.
+    rare_clock, often_clock = FakeClock(), FakeClock()
+    rare, often = _timer(rare_clock), _timer(often_clock)
+    _train(rare, rare_clock, steps=20)
+    _train(often, often_clock, steps=20, checkpoint_every=5, checkpoint_seconds=3.0, inside=inside)
+    without = rare.summary(flops_per_token=1e6, preset="h100", world_size=2)
+    with_checkpoints = often.summary(flops_per_token=1e6, preset="h100", world_size=2)
+
+    assert without["tokens_per_s"] == pytest.approx(20 * 512 * 2 / 40.0)
+    for metric in ("tokens_per_s", "achieved_flops_per_s", "mfu", "data_stall_fraction"):
+        assert with_checkpoints[metric] == pytest.approx(without[metric]), metric
+    assert without["checkpoint_s"] == 0.0
+    assert with_checkpoints["checkpoint_s"] == pytest.approx(4 * 3.0)
+    assert with_checkpoints["elapsed_s"] == pytest.approx(40.0 + 4 * 3.0)  # the loop's wall time, as before
+    # Each second counts once: a checkpoint inside a phase is not that phase's time, too.
+    for phase, seconds in STEP_SECONDS.items():
+        assert with_checkpoints[f"{phase}_s"] == pytest.approx(20 * seconds), phase
+        assert with_checkpoints[f"{phase}_blocked_s"] == pytest.approx(0.0), phase
+
+
+def test_a_checkpoint_counts_once_when_nested_and_up_to_a_summary_taken_inside_it():
+    clock = FakeClock()
+    timer = _timer(clock)
+    _train(timer, clock, steps=2)
+    with timer.checkpoint():
+        clock.advance(1.0)
+        with timer.checkpoint():  # e.g. a report helper that times itself, called from a timed report
+            clock.advance(2.0)
+        with timer.phase("data_wait"):  # the checkpoint reading the loader's state: checkpoint time
+            clock.advance(0.5)
+        inside = timer.summary(flops_per_token=1.0, preset="cpu", world_size=1)
+        clock.advance(4.0)
+    after = timer.summary(flops_per_token=1.0, preset="cpu", world_size=1)
+
+    assert inside["checkpoint_s"] == pytest.approx(3.5) and after["checkpoint_s"] == pytest.approx(7.5)
+    assert inside["data_wait_s"] == after["data_wait_s"] == pytest.approx(2 * STEP_SECONDS["data_wait"])
+    assert inside["tokens_per_s"] == pytest.approx(after["tokens_per_s"]) == pytest.approx(2 * 512 / 4.0)
+
+
+def test_device_work_queued_by_the_steps_is_training_time_not_checkpoint_time():
+    # On GPU the steps only queue kernels; the checkpoint's first device-to-host copy would wait for
+    # them. The timer waits for the device before it starts the checkpoint's clock.
+    clock = FakeClock()
+    queued = []
+    timer = _timer(clock, synchronize=lambda: clock.advance(queued.pop() if queued else 0.0))
+    _train(timer, clock, steps=4)
+    queued.append(1.0)  # kernels still running when the loop reaches the checkpoint
+    with timer.checkpoint():
+        clock.advance(3.0)
+    queued.append(0.5)  # and before the summary
+    summary = timer.summary(flops_per_token=1.0, preset="cpu", world_size=1)
+    assert summary["checkpoint_s"] == pytest.approx(3.0)
+    assert summary["elapsed_s"] == pytest.approx(8.0 + 1.0 + 3.0 + 0.5)
+    assert summary["tokens_per_s"] == pytest.approx(4 * 512 / (8.0 + 1.0 + 0.5))
+
+
 def _affinity_after_pinning(*args) -> set[int]:
     seen: list[set[int]] = []
 

@@ -161,7 +161,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
     flops_per_token = model_flops_per_token(
         *count_matmul_weights(engine.module), *attention_shape(engine.module.config), inputs.seq_len
     )
-    timer = StepTimer()
+    timer = StepTimer(synchronize=torch.cuda.synchronize if config.use_gpu else None)
     already_finished = progress.finished
     unreduced_losses: list[torch.Tensor] = []  # this rank's step losses since the last report
     while progress.step < config.max_steps and not progress.finished:
@@ -188,8 +188,9 @@ def _run_recipe(inputs: WorkerInputs) -> None:
         timer.steps += 1
         _maybe_inject_fault(inputs, progress.step, rank, world_size)
         if progress.step % config.checkpoint_every_steps == 0 and progress.step < config.max_steps:
-            _append_mean_losses(progress, unreduced_losses, world_size)
-            _report(engine, rank, progress, batches.state_dict())
+            with timer.checkpoint():  # checkpoint_s, not training time: tokens/s must not depend on the interval
+                _append_mean_losses(progress, unreduced_losses, world_size)
+                _report(engine, rank, progress, batches.state_dict())
 
     if progress.step == 0 and not already_finished:
         # Only max_epochs ends a run here: its epochs held fewer micro batches than one accumulation.
@@ -199,6 +200,8 @@ def _run_recipe(inputs: WorkerInputs) -> None:
             f"{config.micro_batch_size} rows; raise max_epochs or lower gradient_accumulation_steps"
         )
     if not already_finished:
+        # Taken before the final checkpoint, which stores it: that checkpoint is in neither
+        # elapsed_s nor checkpoint_s (the driver's wall time around run_training has it).
         gpu_name = torch.cuda.get_device_name() if config.use_gpu and torch.cuda.is_available() else None
         peak_preset = resolve_peak_preset(config.peak_flops_preset, gpu_name)
         progress.telemetry = {**timer.summary(flops_per_token, peak_preset, world_size),
