@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from training_core.base_model import base_model_changes
-from training_core.errors import LineageError
+from training_core.errors import ConfigError, LineageError
 from training_core.lineage import build_lineage_record
 from training_core.storage import changed_files
 from training_core.tracking import MlflowTracking
 from training_core.train.config import TrainingConfig
+from training_core.train.fault_injection import FAULT_STEP_ENV, fault_step_for
 from training_core.train.result import TrainingResult
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,14 @@ def run_tracked_training(
         partition_keys=inputs.partition_keys,
     )
     check_inputs_are_as_recorded(inputs, base_digest_records, base_model_checked)
+    fault_step = fault_step_for(config)
     if reuse_finished and (earlier := find_reusable_run(tracking, lineage)) is not None:
+        if fault_step is not None:  # a reuse trains nothing: the hook would pass without firing
+            raise ConfigError(
+                f"{FAULT_STEP_ENV}={fault_step} is set, but inputs, config and code are unchanged since MLflow run "
+                f"{earlier.mlflow_run_id}, which would be reused: nothing trains, so no worker would be killed. "
+                "Use an empty state folder (TESSERA_HOME, or --home) or another seed to train with the fault"
+            )
         log.info("inputs, config and code unchanged since MLflow run %s: reusing it", earlier.mlflow_run_id)
         return earlier
     # Imported before `before_training` starts Ray: a fresh local Ray's own processes take most of

@@ -125,3 +125,32 @@ def test_a_run_that_fails_still_records_its_lineage_and_config_in_mlflow(base, t
             "version_torch"} <= set(run.data.params)
     assert run.data.params["config_digest"] == config.digest()
     assert {a.path for a in tracking.client.list_artifacts(run.info.run_id)} >= {"training_config.json", "lineage.json"}
+
+
+def test_the_chaos_hook_is_refused_when_the_run_would_be_reused_and_nothing_would_train(base, tmp_path, monkeypatch):
+    """`TESSERA_FAULT_STEP=N tessera demo` on a state folder that already trained the demo reused
+    the run: no worker was killed and the chaos check passed without anything having happened."""
+    from types import SimpleNamespace
+
+    from training_core import runs
+    from training_core.errors import ConfigError
+    from training_core.train.fault_injection import FAULT_STEP_ENV
+
+    datasets = [_dataset(base, tmp_path, "2026-11-01", base.digest)]
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    earlier = SimpleNamespace(mlflow_run_id="0123456789abcdef0123456789abcdef")
+    monkeypatch.setattr(runs, "find_reusable_run", lambda tracking, lineage: earlier)
+
+    def train(**kwargs):
+        return run_tracked_training(TrainingConfig(max_steps=20), _inputs(base, datasets, ["2026-11-01"]), tracking,
+                                    ray_storage=str(tmp_path / "ray"), models_dir=tmp_path / "models",
+                                    before_training=lambda: pytest.fail("training started"), **kwargs)
+
+    assert train() is earlier  # without the hook: reused
+    monkeypatch.setenv(FAULT_STEP_ENV, "7")
+    with pytest.raises(ConfigError, match=rf"{FAULT_STEP_ENV}=7 is set, but inputs, config and code are unchanged since "
+                                          rf"MLflow run {earlier.mlflow_run_id}, which would be reused: nothing trains"):
+        train()
+    monkeypatch.setenv(FAULT_STEP_ENV, "21")  # after the last step: refused whether or not a run is reused
+    with pytest.raises(ConfigError, match=rf"{FAULT_STEP_ENV}=21 would never fire: the run stops at max_steps=20"):
+        train()

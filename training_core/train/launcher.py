@@ -27,30 +27,14 @@ from training_core.train.config import TrainingConfig
 from training_core.train.data_preflight import check_training_data
 from training_core.train.model_setup import check_module_names_before_start
 from training_core.train.deepspeed_config import build_deepspeed_config
+# FAULT_STEP_ENV, fault_step_from_env: re-exported, the chaos hook's names where the run starts
+from training_core.train.fault_injection import FAULT_STEP_ENV, fault_step_for, fault_step_from_env  # noqa: F401
 from training_core.train.loop import WorkerInputs, train_loop_per_worker
 from training_core.train.ray_trainer import torch_trainer_class, use_quick_health_checks
 from training_core.train.repeatable_failures import clear_repeatable_failure, recorded_repeatable_failure
 from training_core.train.result import TrainingResult
 
 log = logging.getLogger(__name__)
-
-FAULT_STEP_ENV = "TESSERA_FAULT_STEP"
-
-
-def fault_step_from_env() -> int | None:
-    """The chaos hook's step (``TESSERA_FAULT_STEP=N``: kill one worker once at step N), or None
-    when unset or empty; anything but a whole number ≥ 1 is refused before any worker starts."""
-    raw = os.environ.get(FAULT_STEP_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        step = int(raw)
-    except ValueError:
-        step = 0
-    if step < 1:
-        raise ConfigError(f"{FAULT_STEP_ENV}={raw!r}: expected a training step number ≥ 1")
-    return step
-
 
 def warn_about_accelerator_env(use_gpu: bool) -> None:
     """Workers choose DeepSpeed's accelerator from the config (`use_gpu`), whatever
@@ -130,9 +114,7 @@ def run_training(
     import ray.train
     from ray.train.torch import TorchConfig
 
-    fault_step = fault_step_from_env()
-    if fault_step is not None and fault_step > config.max_steps:
-        raise ConfigError(f"{FAULT_STEP_ENV}={fault_step} would never fire: the run stops at max_steps={config.max_steps}")
+    fault_step = fault_step_for(config)
     warn_about_accelerator_env(config.use_gpu)
     warn_about_schedule(config)
     # Before any worker starts.
