@@ -1,6 +1,7 @@
 """Where a Tessera deployment keeps its state: one root folder ($TESSERA_HOME)."""
 
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -64,9 +65,13 @@ def check_not_moved(root: Path) -> None:
     try:
         recorded = marker.read_text().strip()
     except FileNotFoundError:
-        pending = root / f".{HOME_MARKER}.{uuid.uuid4().hex}.tmp"
-        pending.write_text(str(root) + "\n")
-        os.replace(pending, marker)
+        pending = root / f"{HOME_MARKER}.{uuid.uuid4().hex}.tmp"
+        try:
+            pending.write_text(str(root) + "\n")
+            os.replace(pending, marker)
+        except OSError:  # a read-only root (its subfolders writable): nothing can be recorded, nor checked
+            with contextlib.suppress(OSError):
+                pending.unlink(missing_ok=True)
         return
     except OSError:
         return  # unreadable: `folder` has already said whether the state folder is usable

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -123,11 +124,20 @@ def flush_to_disk(folder: Path) -> None:
         sync_directory(directory)
 
 
+# fsync refused as unsupported (some FUSE and CIFS mounts), or on a read-only mount: the data is
+# as durable as that filesystem makes it, and the publish goes on. An I/O error still fails it.
+_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EROFS}
+
+
 def flush_file(path: Path) -> None:
     """fsync one file: call before renaming it over the name readers use."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
+    except OSError as error:
+        if error.errno not in _FSYNC_UNSUPPORTED:
+            raise
+        log.debug("fsync of %s refused by its filesystem (%s): published without it", path, error)
     finally:
         os.close(descriptor)
 

@@ -21,7 +21,7 @@ PROCESS_TAG = "tessera.process"  # host:pid:start time of the process that start
 
 
 def _check_artifact_location(experiment: str, location: str, artifact_root: Path) -> None:
-    """A local experiment whose artifacts live elsewhere than this deployment's artifact folder
+    """A local experiment whose artifacts live outside this deployment's artifact folder
     (the state folder was moved, or two deployments share a database) would write every new run's
     artifacts there: refuse, naming both. Artifacts in an object store are the server's business."""
     from urllib.parse import unquote, urlparse
@@ -30,7 +30,8 @@ def _check_artifact_location(experiment: str, location: str, artifact_root: Path
     if parsed.scheme not in ("", "file"):
         return
     recorded = Path(unquote(parsed.path))
-    if recorded.resolve() != artifact_root.resolve():
+    # Inside it is fine: an experiment made in the MLflow UI of `make ui` keeps <root>/<id>.
+    if not recorded.resolve().is_relative_to(artifact_root.resolve()):
         raise ConfigError(
             f"MLflow experiment {experiment!r} keeps its artifacts in {recorded}, not in this deployment's "
             f"{artifact_root}: was the state folder moved? New runs would write outside it and earlier "

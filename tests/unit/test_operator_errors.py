@@ -317,3 +317,54 @@ def test_an_mlflow_experiment_keeping_its_artifacts_elsewhere_is_refused(tmp_pat
                                                     f"{tmp_path / 'first'}, not in this deployment's {tmp_path / 'second'}")):
         MlflowTracking(uri, tmp_path / "second")
     assert MlflowTracking(uri, tmp_path / "first").experiment_id  # the same folder: fine
+
+
+def test_a_state_folder_whose_root_cannot_be_written_works_without_a_marker(tmp_path, monkeypatch):
+    """A read-only volume root with writable subfolders worked before the marker existed: it still does."""
+    import errno
+
+    from resources import paths
+    from resources.paths import HOME_MARKER, TesseraStorage
+
+    def read_only(source, target):
+        raise OSError(errno.EROFS, "Read-only file system", str(target))
+
+    monkeypatch.setattr(paths.os, "replace", read_only)
+    assert TesseraStorage(home=str(tmp_path)).folder("datasets") == tmp_path / "datasets"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["datasets"]  # no marker, no temporary file left
+    monkeypatch.undo()
+    TesseraStorage(home=str(tmp_path)).folder("datasets")
+    assert (tmp_path / HOME_MARKER).read_text().strip() == str(tmp_path.resolve())
+
+
+def test_an_mlflow_experiment_with_artifacts_inside_the_deployments_folder_is_accepted(tmp_path):
+    """An experiment created in the MLflow UI of `make ui` keeps its artifacts in <root>/<id>."""
+    from mlflow.tracking import MlflowClient
+
+    from training_core.tracking import MlflowTracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(uri).create_experiment("tessera", artifact_location=(tmp_path / "mlartifacts" / "1").as_uri())
+    assert MlflowTracking(uri, tmp_path / "mlartifacts").experiment_id
+
+
+@pytest.mark.parametrize(("refusal", "published"), [(22, True), (95, True), (5, False)])  # EINVAL, EOPNOTSUPP, EIO
+def test_a_filesystem_that_refuses_fsync_still_publishes_but_an_io_error_fails(tmp_path, monkeypatch, refusal, published):
+    """Some FUSE and CIFS mounts answer fsync with EINVAL: publishing worked there before it synced."""
+    import errno
+
+    from training_core import storage
+
+    def refused(descriptor):
+        raise OSError(refusal, os.strerror(refusal))
+
+    monkeypatch.setattr(storage.os, "fsync", refused)
+    with storage.staging_directory(tmp_path) as staging:
+        (staging / "part-0.parquet").write_bytes(b"rows")
+        if published:
+            final = storage.publish_directory(staging, tmp_path / "published")
+            assert (final / "part-0.parquet").read_bytes() == b"rows"
+        else:
+            with pytest.raises(OSError, match=os.strerror(errno.EIO)):
+                storage.publish_directory(staging, tmp_path / "published")
+            assert not (tmp_path / "published").exists()
