@@ -279,6 +279,95 @@ def test_examples_start_after_a_trained_eos_not_after_a_bos_or_in_padding_that_a
     assert starts[0].tolist() == expected.tolist()
 
 
+# One vocabulary, three conventions for the special tokens: the same records pack into the same rows.
+PAD_LAYOUTS = {"own pad": {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
+               "pad is eos (Llama)": {"bos_token": "<s>", "eos_token": "</s>"},
+               "bos is eos is pad (GPT-2)": {"bos_token": "</s>", "eos_token": "</s>"}}
+
+
+def test_token_fill_is_the_same_whether_the_pad_token_is_its_own_or_eos(tmp_path):
+    """Every token equal to the pad token counted as padding: with pad == eos each example's eos (and
+    GPT-2's bos) did, so a day 55 % filled read 50 % (Llama) or 45 % (GPT-2), failing the blocking check."""
+    records = generate_records("2026-11-01", 2000)  # 11 tokens an example: one per row of 20, 55 % filled
+    checks = {}
+    for name, special_tokens in PAD_LAYOUTS.items():
+        tokenizer = _local_tokenizer(tmp_path / name, **special_tokens)
+        dataset = write_dataset(records, tokenizer, tmp_path / name / "out", DatasetSpec(seq_len=20), source_label="t")
+        check = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}["token_lengths"]
+        assert check.metadata["mean_fill"] == pytest.approx(dataset.tokens / (dataset.train_rows * dataset.seq_len))
+        checks[name] = (check.passed, check.metadata)
+    assert checks["own pad"] == checks["pad is eos (Llama)"] == checks["bos is eos is pad (GPT-2)"]
+    assert checks["own pad"][0] and checks["own pad"][1]["tokens_p50"] == 11.0
+    assert quality.content_lengths(np.full((1, 8), IGNORE_INDEX)).tolist() == [0]  # a row training nothing fills nothing
+
+
+@pytest.mark.parametrize("field, record", [
+    ("response", {"prompt": "encode: a b c d", "response": "d e f g </s>"}),
+    ("prompt", {"prompt": "<s> encode: a b c d", "response": "d e f g"}),
+], ids=["response ends with eos", "prompt starts with bos"])
+def test_a_record_whose_text_holds_a_special_token_is_refused_naming_it(tmp_path, field, record):
+    """Records formatted for another trainer were packed with the special ids parsed from their text,
+    doubling Tessera's bos or eos; generation stops at the first eos, so exact-match was 0 for a perfect model."""
+    import json
+    import re
+
+    from training_core.data.sources import ORIGINS_FILE, read_records_with_origins
+    from training_core.errors import SourceDataError
+
+    tokenizer = _local_tokenizer(tmp_path / "tokenizer", bos_token="<s>", eos_token="</s>")  # Llama-style
+    ordinary = generate_records("2026-11-01", 200)
+    assert write_dataset(ordinary, tokenizer, tmp_path / "ordinary", DatasetSpec(), source_label="p").train_rows
+    source = tmp_path / "source.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n\n" for r in [*ordinary, record]))
+    records, origins = read_records_with_origins(source)
+    frozen = tmp_path / "raw"  # as raw_examples publishes it: records.jsonl plus the hidden origins
+    frozen.mkdir()
+    (frozen / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    origins.save(frozen / ORIGINS_FILE)
+    out = tmp_path / "out"
+    out.mkdir()
+    token = "</s>" if field == "response" else "<s>"
+    with pytest.raises(SourceDataError, match=rf"p: line 201 of .*records\.jsonl, from line 401 of .*source\.jsonl "
+                                              rf"\(prompt {re.escape(repr(record['prompt']))}\): its {field} holds the "
+                                              rf"special token '{token}' \(id \d+\); strip special tokens from the text"):
+        write_dataset(records, tokenizer, out, DatasetSpec(), source_label="p", records_path=str(frozen / "records.jsonl"))
+    assert list(out.iterdir()) == []
+
+
+def test_a_chat_marker_in_a_prompt_is_kept_as_the_special_token_it_is(tmp_path):
+    """Only bos, eos and pad are doubled by packing; a prompt laid out in the model's chat format is meant."""
+    tokenizer = _local_tokenizer(tmp_path / "tokenizer", bos_token="<s>", eos_token="</s>",
+                                 additional_special_tokens=["<|im_start|>"])
+    marker = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    records = [{**r, "prompt": f"<|im_start|> {r['prompt']}"} for r in generate_records("2026-11-01", 200)]
+    dataset = write_dataset(records, tokenizer, tmp_path / "out", DatasetSpec(), source_label="p")
+    rows = pq.read_table(Path(dataset.path) / "train").column("input_ids").to_pylist()
+    assert sum(row.count(marker) for row in rows) == dataset.train_examples
+
+
+def test_a_tokenizer_without_a_pad_or_eos_token_is_refused_before_anything_is_written(tmp_path):
+    """Bypassing load_tokenizer (which pads with eos) failed deep in packing with a bare TypeError."""
+    from transformers import AutoTokenizer
+
+    from training_core.errors import ConfigError
+
+    _local_tokenizer(tmp_path / "llama", bos_token="<s>", eos_token="</s>")  # saved without a pad token
+    no_pad = AutoTokenizer.from_pretrained(tmp_path / "llama")
+    assert no_pad.pad_token_id is None
+    records = generate_records("2026-11-01", 200)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(ConfigError, match=r"tokenizer .*llama: it has no pad token; load it with "
+                                          r"training_core\.base_model\.load_tokenizer, which pads with eos"):
+        write_dataset(records, no_pad, out, DatasetSpec(), source_label="p")
+    with pytest.raises(ConfigError, match="pad_token_id is None: the tokenizer has no pad token"):
+        pack_examples([tokenize_example(no_pad, "a b", "c")], 16, no_pad.pad_token_id)
+    no_eos = _local_tokenizer(tmp_path / "no-eos", bos_token="<s>")  # load_tokenizer has no eos to pad with
+    with pytest.raises(ConfigError, match=r"tokenizer .*no-eos: it has no eos token"):
+        write_dataset(records, no_eos, out, DatasetSpec(), source_label="p")
+    assert list(out.iterdir()) == []
+
+
 def test_published_directories_name_the_files_that_changed_later(tmp_path):
     from training_core.storage import FILE_DIGESTS, changed_files, directory_digest
 

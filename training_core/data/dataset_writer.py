@@ -17,7 +17,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from training_core.data.packing import RowPacker, check_fits, is_eval_example, tokenize_examples
+from training_core.data.packing import (
+    RowPacker,
+    SpecialTokensInText,
+    check_fits,
+    is_eval_example,
+    require_layout_tokens,
+    tokenize_examples,
+)
 from training_core.data.sources import RecordLocations
 from training_core.errors import ConfigError, EmptyPartitionError
 from training_core.storage import directory_digest, publish_directory, staging_directory
@@ -93,6 +100,7 @@ def write_dataset(
     packing everything first (same rows, same files, same row groups), so digests do not change."""
     if not records:
         raise EmptyPartitionError(f"{source_label}: no records to write")
+    require_layout_tokens(tokenizer)
 
     def describe(index: int) -> str:  # a record as the user can find it (called only for an error)
         locations = RecordLocations(records_path)
@@ -102,6 +110,7 @@ def write_dataset(
         return f"{source_label}: {where} (prompt {records[index]['prompt'][:40]!r})"
 
     packer = RowPacker(spec.seq_len, tokenizer.pad_token_id)
+    special_tokens = SpecialTokensInText(tokenizer)
     eval_records: list[dict[str, str]] = []
     eval_count = train_examples = tokens = 0
     with staging_directory(output_root) as staging:
@@ -110,11 +119,12 @@ def write_dataset(
         files = _TrainFiles(train_dir, spec)
         for start in range(0, len(records), _TOKENIZE_BATCH):
             batch = records[start : start + _TOKENIZE_BATCH]
-            # Eval records are tokenized too, only to be measured: one longer than seq_len would
-            # crash evaluation after training (positions beyond the model's), so it is refused
-            # here, in record order with the train ones, with the same message.
+            # Eval records are checked like train ones, in record order, with the same messages: one
+            # longer than seq_len would crash evaluation after training (positions beyond the model's),
+            # one holding special tokens could never match.
             examples = tokenize_examples(tokenizer, [r["prompt"] for r in batch], [r["response"] for r in batch])
             for index, example in enumerate(examples, start=start):
+                special_tokens.check(example, lambda: describe(index))  # noqa: B023 - called at once, if at all
                 if is_eval_example(records[index]["prompt"], spec.eval_fraction):
                     check_fits(example, spec.seq_len, lambda: describe(index))  # noqa: B023 - called at once, if at all
                     eval_count += 1

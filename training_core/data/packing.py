@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from training_core.errors import SourceDataError
+from training_core.errors import ConfigError, SourceDataError
 
 IGNORE_INDEX = -100
 
@@ -60,11 +60,54 @@ def check_fits(example: TokenizedExample, seq_len: int, describe: Callable[[], s
         )
 
 
+def require_layout_tokens(tokenizer) -> None:
+    """Refuse a tokenizer without the tokens every packed row needs, before anything is tokenized:
+    eos ends each example and pad fills the row after the last one."""
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"tokenizer {name}: it has no eos token; every example ends with eos (it is what "
+                          "generation stops at), so set tokenizer.eos_token to the token the model ends text with")
+    if tokenizer.pad_token_id is None:
+        raise ConfigError(f"tokenizer {name}: it has no pad token; load it with training_core.base_model.load_tokenizer, "
+                          "which pads with eos when there is none (padding is never trained), or set tokenizer.pad_token")
+
+
+class SpecialTokensInText:
+    """Refuses a record whose text tokenizes to the bos, eos or pad token (``<s>``, ``</s>``,
+    ``<|endoftext|>``): records formatted for another trainer ("<s>[INST] … [/INST]", a response
+    ending in "</s>") would get Tessera's bos and eos on top of their own, and generation stops at
+    the first eos, so such an example could never match. Ids are checked, not the text: a token
+    spelled in text that this tokenizer reads as plain text lands in no row as a special id. Other
+    special tokens (chat markers such as ``<|im_start|>``) are left alone: a prompt may be laid out
+    in the base model's chat format on purpose."""
+
+    def __init__(self, tokenizer) -> None:
+        layout = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
+        self.special_ids = frozenset(layout - {None, tokenizer.unk_token_id})
+        self.tokenizer = tokenizer
+        self.bos_added = int(tokenizer.bos_token_id is not None)
+
+    def check(self, example: TokenizedExample, describe: Callable[[], str]) -> None:
+        """Raise SourceDataError, naming the record by ``describe()``, the field and the token."""
+        texts = {"prompt": example.prompt_ids[self.bos_added :], "response": example.response_ids[:-1]}
+        for field, ids in texts.items():
+            if self.special_ids.isdisjoint(ids):
+                continue
+            found = next(token for token in ids if token in self.special_ids)
+            raise SourceDataError(
+                f"{describe()}: its {field} holds the special token {self.tokenizer.convert_ids_to_tokens(found)!r} "
+                f"(id {found}); strip special tokens from the text: Tessera adds bos and eos to every example itself"
+            )
+
+
 class RowPacker:
     """Greedy in-order packing, one example at a time: completed rows are taken out as they fill,
     so memory holds one row in progress plus the rows not yet taken, never the whole dataset."""
 
     def __init__(self, seq_len: int, pad_token_id: int) -> None:
+        if pad_token_id is None:
+            raise ConfigError("pad_token_id is None: the tokenizer has no pad token; load it with "
+                              "training_core.base_model.load_tokenizer, which pads with eos when there is none")
         self.seq_len, self.pad_token_id = seq_len, pad_token_id
         self._ids: list[int] = []
         self._labels: list[int] = []

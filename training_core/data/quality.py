@@ -41,8 +41,8 @@ class _RowStats:
     """What the row checks need, gathered row group by row group: memory grows with one hash and
     one length per row, never with the tokens (a day's dataset may not fit in memory)."""
 
-    def __init__(self, pad_token_id: int) -> None:
-        self.pad_token_id, self.rows, self.empty = pad_token_id, 0, 0
+    def __init__(self) -> None:
+        self.rows, self.empty = 0, 0
         self.hashes: set[bytes] = set()
         self.lengths: list[np.ndarray] = []
 
@@ -50,7 +50,7 @@ class _RowStats:
         self.rows += len(input_ids)
         self.empty += int(((labels != IGNORE_INDEX).sum(axis=1) == 0).sum())
         self.hashes.update(hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in input_ids)
-        self.lengths.append((input_ids != self.pad_token_id).sum(axis=1).astype(np.int32))
+        self.lengths.append(content_lengths(labels).astype(np.int32))
 
     def outcomes(self, width: int) -> list[CheckOutcome]:
         duplicates = self.rows - len(self.hashes)
@@ -157,19 +157,30 @@ def _count_in_chunk(rows: np.ndarray, by_length: dict, start_token: int | None, 
     return found
 
 
+def content_lengths(labels: np.ndarray) -> np.ndarray:
+    """How many tokens of each row ([n, width] labels) packed examples fill: up to and with the last
+    trained label. Every packed example ends with a trained eos and padding follows the last one,
+    so this holds whatever the pad token is; counting tokens that are not pad would count each eos
+    (and GPT-2's bos, the eos token) as padding wherever pad == eos, which is every tokenizer without
+    a pad token of its own (load_tokenizer pads with eos). A row that trains nothing, which packing
+    never writes (no_empty_rows fails it), fills nothing."""
+    trained = labels != IGNORE_INDEX
+    return np.where(trained.any(axis=1), trained.shape[1] - np.argmax(trained[:, ::-1], axis=1), 0)
+
+
 def example_starts(input_ids: np.ndarray, labels: np.ndarray, eos_token_id: int) -> np.ndarray:
     """Where packed examples start in each row ([n, width] booleans), read from packing's layout:
     examples lie back to back from the row start, each ends with an eos that is trained (its label
     is not IGNORE_INDEX), and padding after the last one is not. Labels, not the tokens alone, tell
     an example's eos from padding (pad == eos, as in GPT-2 or Qwen) and from a BOS that is the eos
     token (GPT-2), whose label is IGNORE_INDEX like the rest of the prompt. An eos trained inside a
-    response (its text spelled the eos token) marks one start too many, which can only count more."""
+    response (its text spelled the eos token, in a dataset written before the writer refused such text)
+    marks one start too many, which can only count more."""
     trained = labels != IGNORE_INDEX
     ends = trained & (input_ids == eos_token_id)
-    content_end = np.where(trained.any(axis=1), trained.shape[1] - np.argmax(trained[:, ::-1], axis=1), 0)
     starts = np.zeros(input_ids.shape, dtype=bool)
     starts[:, 0] = True  # even a row that trains nothing: its tokens may still be a held-out example
-    starts[:, 1:] = ends[:, :-1] & (np.arange(1, input_ids.shape[1]) < content_end[:, None])
+    starts[:, 1:] = ends[:, :-1] & (np.arange(1, input_ids.shape[1]) < content_lengths(labels)[:, None])
     return starts
 
 
@@ -222,7 +233,7 @@ def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer, records: list
     repeats into distinct rows), and a failed duplicate check names the repeated records."""
     files = sorted((Path(dataset_path) / "train").glob("*.parquet"))
     schema = pq.read_schema(files[0]) if files else pa.schema([])
-    stats, widths, leaked = _RowStats(tokenizer.pad_token_id), set(), 0
+    stats, widths, leaked = _RowStats(), set(), 0
     held_out = _eval_sequences(dataset_path, tokenizer)
     # Only windows at an example's start count: a held-out example that is the tail of a longer
     # training one was not copied into training. Starts are read from the packed layout, so the
