@@ -135,6 +135,7 @@ def resolve_pretrained(name_or_path: str, digest_records: Path | None = None) ->
         raise ModelNotFoundError(f"base model {name_or_path}{where}: cannot be loaded ({error})") from error
     if tokenizer.eos_token_id is None:
         raise ModelNotFoundError(f"base model {name_or_path}: tokenizer defines no eos_token")
+    _check_special_tokens_in_vocabulary(name_or_path, tokenizer, vocab_size(config))
     digest = (directory_digest(path, record_in=digest_records) if looks_local
               else f"hub:{name_or_path}@{getattr(config, '_commit_hash', None)}")
     return BaseModelRef(
@@ -144,6 +145,24 @@ def resolve_pretrained(name_or_path: str, digest_records: Path | None = None) ->
         vocab_size=config.vocab_size,
         source="pretrained",
     )
+
+
+def _check_special_tokens_in_vocabulary(name_or_path: str, tokenizer, model_vocab_size: int | None) -> None:
+    """Refuse a tokenizer whose bos, eos or pad id has no row in the model's embeddings (a token added
+    with add_special_tokens, the model never resized): every example holds bos/eos and every packed row
+    pad, so training would refuse the data as "tokenized for another model" and evaluation would fail
+    with a bare IndexError."""
+    if model_vocab_size is None:
+        return
+    for role in ("bos_token", "eos_token", "pad_token"):
+        token, token_id = getattr(tokenizer, role), getattr(tokenizer, f"{role}_id")
+        if token_id is not None and token_id >= model_vocab_size:
+            raise ModelNotFoundError(
+                f"base model {name_or_path}: its tokenizer's {role} {token!r} has id {token_id}, outside the model's "
+                f"vocabulary (vocab_size={model_vocab_size}, ids 0..{model_vocab_size - 1}), as when a token is added "
+                "to the tokenizer without resizing the model: call model.resize_token_embeddings(len(tokenizer)) and "
+                f"save_pretrained the model, or set {role} to a token inside the vocabulary"
+            )
 
 
 def base_model_changes(folder: Path, digest: str, digest_records: Path | None = None) -> list[str]:
@@ -168,16 +187,52 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
-def tokenizer_fingerprint(name_or_path: str) -> str:
-    """A digest of how the model's tokenizer turns text into ids: two models with the same fingerprint
-    give the same token sequence for every text, so their per-token losses can be compared."""
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """What decides the ids a record is scored on: how text becomes ids (a digest of the backend
+    tokenizer.json, or of the vocabulary for a slow tokenizer), the bos put before each prompt and the
+    eos after each response (training_core.data.packing.tokenize_example), as load_tokenizer resolves
+    them: the same tokenizer.json with another bos/eos in tokenizer_config.json (Qwen2.5 base's eos
+    <|endoftext|>, Instruct's <|im_end|>) scores other sequences. The pad token is left out: padding is
+    masked from attention and labels, so it changes no scored token. Nothing stores it (the champion
+    check computes both sides live), so what it holds may change."""
+
+    text_digest: str
+    bos: str | None  # "<s> (id 1)"; None: no bos is put before prompts
+    eos: str
+
+    @property
+    def fingerprint(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(json.dumps([self.text_digest, self.bos, self.eos]).encode()).hexdigest()
+
+    def special_token_differences(self, other: TokenizerIdentity) -> list[tuple[str, str, str]]:
+        """(role, this one's token, the other's) where they differ, "none" for a missing bos."""
+        pairs = (("bos", self.bos, other.bos), ("eos", self.eos, other.eos))
+        return [(role, mine or "none", theirs or "none") for role, mine, theirs in pairs if mine != theirs]
+
+
+def tokenizer_identity(name_or_path: str) -> TokenizerIdentity:
     import hashlib
 
     tokenizer = load_tokenizer(name_or_path)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     described = backend.to_str() if backend is not None else json.dumps(
         {"vocab": sorted(tokenizer.get_vocab().items()), "special": sorted(map(str, tokenizer.all_special_tokens))})
-    return hashlib.sha256(described.encode()).hexdigest()
+
+    def named(token, token_id) -> str | None:
+        return None if token_id is None else f"{token} (id {token_id})"
+
+    return TokenizerIdentity(text_digest=hashlib.sha256(described.encode()).hexdigest(),
+                             bos=named(tokenizer.bos_token, tokenizer.bos_token_id),
+                             eos=named(tokenizer.eos_token, tokenizer.eos_token_id))
+
+
+def tokenizer_fingerprint(name_or_path: str) -> str:
+    """A digest of how the model's tokenizer turns a record into ids (:class:`TokenizerIdentity`): two
+    models with the same fingerprint score the same token sequences, so their per-token losses compare."""
+    return tokenizer_identity(name_or_path).fingerprint
 
 
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length")

@@ -248,6 +248,29 @@ def test_the_champion_is_compared_only_when_both_tokenize_alike(demo_model, tmp_
     assert gone.startswith(f"the champion's base model {tmp_path / 'deleted-base'} cannot be loaded")
 
 
+@pytest.mark.parametrize(("edit", "named"), [
+    ({"bos_token": None}, "bos <s> (id 1) there, none here"),  # Qwen2.5: no bos
+    ({"eos_token": "<unk>"}, "eos </s> (id 2) there, <unk> (id 3) here"),  # base vs Instruct: another eos
+])
+def test_a_champion_whose_tokenizer_puts_other_special_tokens_around_examples_is_not_compared(
+        demo_model, tmp_path, edit, named):
+    # Same tokenizer.json, another bos/eos in tokenizer_config.json: every text tokenizes alike, but
+    # each example is scored with another bos before it and eos after it.
+    import json
+
+    from training_core.evaluate.compare import champion_not_comparable
+
+    other = tmp_path / "other-special-tokens"
+    shutil.copytree(demo_model.name_or_path, other)
+    config_file = other / "tokenizer_config.json"
+    config = {k: v for k, v in {**json.loads(config_file.read_text()), **edit}.items() if v is not None}
+    config_file.write_text(json.dumps(config))
+
+    assert champion_not_comparable(demo_model.name_or_path, str(other)) == (
+        f"the champion was trained on {demo_model.name_or_path}, whose tokenizer puts other special tokens around "
+        f"each example than {other}'s ({named}): per-token losses do not compare")
+
+
 def test_a_champion_that_cannot_be_compared_passes_the_gate_saying_why():
     check = _not_worse_than_champion(_report(trained_loss=9.0), "champ", champion_tolerance=0.05,
                                      not_comparable="the champion was trained on X, whose tokenizer differs")
@@ -292,6 +315,69 @@ def test_a_champion_whose_mlflow_run_was_garbage_collected_is_not_compared_and_e
         "the tracking store (deleted and garbage-collected, or logged to another store), so its base model is "
         "unknown; a model that passes the other gate replaces it as champion")
     assert "eval_loss" in tracking.client.get_run(trained_run).data.metrics  # the evaluation was recorded
+
+
+# --- greedy exact-match -------------------------------------------------------------------------
+
+
+def _spelling_model(base_model: str, folder, prompt_last: str, response: str, tokenizer):
+    """The demo model rewired into a bigram table, saved in ``folder``: the next token depends only on
+    the current one, and from ``prompt_last`` it spells ``response`` then eos, each token by a narrow
+    margin (logit 10, runner-up "z" 9.8) as a trained model's often is."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_model)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for layer in model.model.layers:  # no attention, no MLP: the residual carries the current token
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.zero_()
+        for token in range(len(tokenizer)):
+            model.model.embed_tokens.weight[token, token] = 1.0  # one-hot; RMSNorm scales it to sqrt(hidden)
+        model.lm_head.weight.zero_()
+        chain = tokenizer.convert_tokens_to_ids([prompt_last, *response.split(), tokenizer.eos_token])
+        for current, following in zip(chain, chain[1:]):
+            model.lm_head.weight[following, current] = 10.0 / hidden**0.5
+            model.lm_head.weight[tokenizer.convert_tokens_to_ids("z"), current] = 9.8 / hidden**0.5
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+CHECKPOINT_GENERATION_DEFAULTS = {  # what a checkpoint's generation_config.json may hold
+    "Qwen2.5-Instruct": lambda tokenizer: {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                           "repetition_penalty": 1.05},
+    "no_repeat_ngram_size": lambda tokenizer: {"no_repeat_ngram_size": 1},
+    "min_new_tokens": lambda tokenizer: {"min_new_tokens": 8},
+    "suppress_tokens": lambda tokenizer: {"suppress_tokens": tokenizer.convert_tokens_to_ids(["d"])},  # None is "off"
+}
+
+
+@pytest.mark.parametrize("defaults", sorted(CHECKPOINT_GENERATION_DEFAULTS))
+def test_greedy_exact_match_ignores_the_checkpoints_generation_defaults(demo_model, tmp_path, defaults):
+    # The answer repeats prompt tokens ("d", "a"): a repetition penalty or n-gram ban from the
+    # checkpoint's generation_config.json would turn the model's right answer into a miss.
+    import json
+    import warnings
+
+    from training_core.evaluate.metrics import evaluate, load_model_for_eval
+
+    records = [{"prompt": "encode: a d x y", "response": "d g a b"}]
+    tokenizer = load_tokenizer(demo_model.name_or_path)
+    folder = _spelling_model(demo_model.name_or_path, tmp_path / "model", "y", "d g a b", tokenizer)
+    generation_file = folder / "generation_config.json"
+    generation_file.write_text(json.dumps({**json.loads(generation_file.read_text()),
+                                           **CHECKPOINT_GENERATION_DEFAULTS[defaults](tokenizer)}))
+    model = load_model_for_eval(str(folder))
+    checkpoint_defaults = model.generation_config.to_diff_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = evaluate(model, tokenizer, records)
+    assert metrics.exact_match == 1.0
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+    assert model.generation_config.to_diff_dict() == checkpoint_defaults  # the model is left as it was loaded
 
 
 # --- empty held-out split ------------------------------------------------------------------------

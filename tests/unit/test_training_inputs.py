@@ -12,7 +12,7 @@ import pytest
 from training_core.base_model import load_tokenizer, resolve_pretrained
 from training_core.data.dataset_writer import DatasetSpec, write_dataset
 from training_core.data.demo_task import generate_records
-from training_core.errors import LineageError
+from training_core.errors import LineageError, ModelNotFoundError
 from training_core.runs import TrainingInputs, check_inputs_are_as_recorded, run_tracked_training
 from training_core.tracking import MlflowTracking
 from training_core.train.config import TrainingConfig
@@ -35,6 +35,28 @@ def _inputs(base, datasets, keys) -> TrainingInputs:
     return TrainingInputs(base_model=base.name_or_path, base_model_digest=base.digest,
                           dataset_paths=[d.path for d in datasets], dataset_digest="window", seq_len=datasets[0].seq_len,
                           cache_directory=None, cache_version="cache", partition_keys=keys)
+
+
+@pytest.mark.parametrize("role", ["pad_token", "bos_token"])
+def test_a_special_token_outside_the_models_vocabulary_is_refused_naming_it(demo_model, tmp_path, role):
+    # Added to the tokenizer, the embeddings never resized: training would call the data "tokenized
+    # for another model", evaluation fail with a bare IndexError.
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "added-token"
+    shutil.copytree(demo_model.name_or_path, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({role: "[ADDED]"})
+    tokenizer.save_pretrained(folder)
+    vocab = demo_model.vocab_size
+    assert tokenizer.convert_tokens_to_ids("[ADDED]") == vocab
+    with pytest.raises(ModelNotFoundError) as refused:
+        resolve_pretrained(str(folder))
+    assert str(refused.value) == (
+        f"base model {folder}: its tokenizer's {role} '[ADDED]' has id {vocab}, outside the model's vocabulary "
+        f"(vocab_size={vocab}, ids 0..{vocab - 1}), as when a token is added to the tokenizer without resizing the "
+        "model: call model.resize_token_embeddings(len(tokenizer)) and save_pretrained the model, or set "
+        f"{role} to a token inside the vocabulary")
 
 
 def test_inputs_as_recorded_pass(base, tmp_path):

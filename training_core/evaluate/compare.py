@@ -90,19 +90,25 @@ class EvaluationOutcome:
 
 def champion_not_comparable(champion_base_model: str, base_model: str) -> str | None:
     """Why the champion's held-out loss cannot be compared with this model's, or None when it can:
-    losses are per token, so both must tokenize the same way (same tokenizer; the base model itself
-    may differ), and scoring the champion needs its base model."""
-    from training_core.base_model import tokenizer_fingerprint
+    losses are per token, so both must score the same token sequences (same tokenizer and the same
+    bos/eos around each example; the base model itself may differ), and scoring the champion needs its
+    base model. Both sides are read from the base model folders now, never from a stored digest."""
+    from training_core.base_model import tokenizer_identity
 
     if champion_base_model == base_model:
         return None
     try:
-        theirs = tokenizer_fingerprint(champion_base_model)
+        theirs = tokenizer_identity(champion_base_model)
     except (OSError, ValueError) as error:  # folder gone, hub id not cached
         return f"the champion's base model {champion_base_model} cannot be loaded ({type(error).__name__}: {error})"
-    if theirs != tokenizer_fingerprint(base_model):
+    ours = tokenizer_identity(base_model)
+    if theirs.text_digest != ours.text_digest:
         return (f"the champion was trained on {champion_base_model}, whose tokenizer differs from {base_model}'s: "
                 "per-token losses do not compare")
+    if differences := theirs.special_token_differences(ours):
+        named = "; ".join(f"{role} {champions} there, {this} here" for role, champions, this in differences)
+        return (f"the champion was trained on {champion_base_model}, whose tokenizer puts other special tokens around "
+                f"each example than {base_model}'s ({named}): per-token losses do not compare")
     return None
 
 

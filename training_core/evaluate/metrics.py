@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from training_core.data.packing import tokenize_examples
 from training_core.evaluate.model_folder import TrainedModelError, check_trained_model_dir
@@ -86,8 +86,35 @@ def _count_exact_matches(model, chunk, pad: int, eos: int, device: torch.device)
     for row, e in enumerate(chunk):
         ids[row, width - len(e.prompt_ids) :] = torch.tensor(e.prompt_ids)
         mask[row, width - len(e.prompt_ids) :] = 1
-    longest = max(len(e.response_ids) for e in chunk)
-    generated = model.generate(
-        input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest, do_sample=False, pad_token_id=pad, eos_token_id=eos
-    )[:, width:].tolist()
-    return sum(output[: len(e.response_ids)] == e.response_ids for output, e in zip(generated, chunk))
+    greedy = plain_greedy_decoding(max(len(e.response_ids) for e in chunk), pad, eos)
+    with _checkpoint_defaults_set_aside(model, greedy):
+        generated = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=greedy)
+    answers = generated[:, width:].tolist()
+    return sum(output[: len(e.response_ids)] == e.response_ids for output, e in zip(answers, chunk))
+
+
+def plain_greedy_decoding(max_new_tokens: int, pad: int, eos: int) -> GenerationConfig:
+    """Argmax at every step and nothing else: the sampling settings stay unset (the library's neutral
+    defaults), so greedy decoding draws no "only used in sample-based generation" warnings."""
+    return GenerationConfig(
+        do_sample=False, num_beams=1, num_return_sequences=1, max_new_tokens=max_new_tokens, min_new_tokens=0,
+        repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0,
+        remove_invalid_values=False, renormalize_logits=False, use_cache=True, pad_token_id=pad, eos_token_id=eos,
+    )
+
+
+@contextmanager
+def _checkpoint_defaults_set_aside(model, generation_config: GenerationConfig):
+    """generate() fills every field left unset (None) in the config it is given from the model's own
+    ``generation_config``, read from the checkpoint's generation_config.json (Qwen-Instruct ships
+    repetition_penalty=1.05, which turns a right answer that repeats a prompt token into a miss). For
+    some fields None is the only "off" (bad_words_ids, suppress_tokens, forced_bos_token_id,
+    stop_strings, max_time ...), so an explicit config cannot keep them out: for the call, the model's
+    own is the plain one too. A PEFT model generates through its base model, whose config it reads."""
+    generating = model.get_base_model() if hasattr(model, "get_base_model") else model
+    checkpoint_defaults = generating.generation_config
+    generating.generation_config = generation_config
+    try:
+        yield
+    finally:
+        generating.generation_config = checkpoint_defaults
