@@ -55,7 +55,7 @@ class BaseModelRef:
     name_or_path: str
     digest: str
     parameters: int
-    vocab_size: int
+    vocab_size: int | None  # None: the config names none
     source: str  # "demo" or "pretrained"
 
 
@@ -142,7 +142,7 @@ def resolve_pretrained(name_or_path: str, digest_records: Path | None = None) ->
         name_or_path=str(path.resolve()) if looks_local else name_or_path,
         digest=digest,
         parameters=0,
-        vocab_size=config.vocab_size,
+        vocab_size=vocab_size(config),  # nested for multimodal configs (Gemma 3's text_config)
         source="pretrained",
     )
 

@@ -329,9 +329,26 @@ def test_a_record_whose_text_holds_a_special_token_is_refused_naming_it(tmp_path
     token = "</s>" if field == "response" else "<s>"
     with pytest.raises(SourceDataError, match=rf"p: line 201 of .*records\.jsonl, from line 401 of .*source\.jsonl "
                                               rf"\(prompt {re.escape(repr(record['prompt']))}\): its {field} holds the "
-                                              rf"special token '{token}' \(id \d+\); strip special tokens from the text"):
+                                              rf"special token '{token}' \(id \d+\); strip it from the text: Tessera puts bos"):
         write_dataset(records, tokenizer, out, DatasetSpec(), source_label="p", records_path=str(frozen / "records.jsonl"))
     assert list(out.iterdir()) == []
+
+
+def test_an_instruct_models_turn_end_eos_in_a_prompt_is_kept_and_gpt2s_endoftext_in_a_response_refused(tmp_path):
+    """Qwen/Llama 3 instruct: eos is the chat turn end, which closes the user turn in a chat-format
+    prompt. GPT-2 and its kin: unk == bos == eos == pad, still refused where it ends a response."""
+    from training_core.errors import SourceDataError
+
+    chat = _local_tokenizer(tmp_path / "chat", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                            additional_special_tokens=["<|im_start|>"])
+    records = [{**r, "prompt": f"<|im_start|> {r['prompt']} <|im_end|>"} for r in generate_records("2026-11-01", 200)]
+    assert write_dataset(records, chat, tmp_path / "chat-out", DatasetSpec(), source_label="p").train_rows
+    gpt2 = _local_tokenizer(tmp_path / "gpt2", bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    gpt2.unk_token = "<|endoftext|>"
+    assert {gpt2.unk_token_id, gpt2.bos_token_id, gpt2.pad_token_id} == {gpt2.eos_token_id}
+    ending = [{"prompt": "encode: a b c d", "response": "d e f g <|endoftext|>"}]
+    with pytest.raises(SourceDataError, match=r"its response holds the special token '<\|endoftext\|>'"):
+        write_dataset(ending, gpt2, tmp_path / "gpt2-out", DatasetSpec(), source_label="p")
 
 
 def test_a_chat_marker_in_a_prompt_is_kept_as_the_special_token_it_is(tmp_path):

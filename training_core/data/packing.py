@@ -73,30 +73,38 @@ def require_layout_tokens(tokenizer) -> None:
 
 
 class SpecialTokensInText:
-    """Refuses a record whose text tokenizes to the bos, eos or pad token (``<s>``, ``</s>``,
-    ``<|endoftext|>``): records formatted for another trainer ("<s>[INST] … [/INST]", a response
-    ending in "</s>") would get Tessera's bos and eos on top of their own, and generation stops at
-    the first eos, so such an example could never match. Ids are checked, not the text: a token
-    spelled in text that this tokenizer reads as plain text lands in no row as a special id. Other
-    special tokens (chat markers such as ``<|im_start|>``) are left alone: a prompt may be laid out
-    in the base model's chat format on purpose."""
+    """Refuses a record whose text tokenizes to a token Tessera itself puts around each example:
+    a response holding eos or pad (ending in "</s>" or "<|endoftext|>") gets Tessera's eos on top,
+    trained, and generation stops at the first eos, so such an example could never match; a prompt
+    starting with its own "<s>" (formatted for another trainer, "<s>[INST] …") gets a second bos.
+    A prompt may hold eos: an instruct model's eos is often its chat turn end (Qwen's <|im_end|>,
+    Llama 3's <|eot_id|>), which closes the user turn in its chat format, and prompt tokens are
+    not trained. Other special tokens (chat markers such as <|im_start|>) are left alone. Ids are
+    checked, not the text: a token spelled in text that this tokenizer reads as plain text lands
+    in no row as a special id. The unknown token is refused only where it is also one of these
+    (GPT-2 and its kin use <|endoftext|> for unk, bos, eos and pad alike)."""
 
     def __init__(self, tokenizer) -> None:
-        layout = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
-        self.special_ids = frozenset(layout - {None, tokenizer.unk_token_id})
+        bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.refused = {
+            "prompt": frozenset({bos} - {eos, None}),  # bos == eos (GPT-2): a turn end there, kept
+            "response": frozenset({eos, pad} - {None}),
+        }
         self.tokenizer = tokenizer
-        self.bos_added = int(tokenizer.bos_token_id is not None)
+        self.bos_added = int(bos is not None)
 
     def check(self, example: TokenizedExample, describe: Callable[[], str]) -> None:
         """Raise SourceDataError, naming the record by ``describe()``, the field and the token."""
         texts = {"prompt": example.prompt_ids[self.bos_added :], "response": example.response_ids[:-1]}
         for field, ids in texts.items():
-            if self.special_ids.isdisjoint(ids):
+            refused = self.refused[field]
+            if refused.isdisjoint(ids):
                 continue
-            found = next(token for token in ids if token in self.special_ids)
+            found = next(token for token in ids if token in refused)
             raise SourceDataError(
                 f"{describe()}: its {field} holds the special token {self.tokenizer.convert_ids_to_tokens(found)!r} "
-                f"(id {found}); strip special tokens from the text: Tessera adds bos and eos to every example itself"
+                f"(id {found}); strip it from the text: Tessera puts bos before every prompt and eos after every "
+                "response itself"
             )
 
 
