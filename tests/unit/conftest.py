@@ -27,6 +27,14 @@ def write_ids_dataset(directory: Path, layout: list[tuple[int, int]], token_widt
     return directory
 
 
+def read_ids(source, **kwargs) -> list[np.ndarray]:
+    """Every batch's ``id`` column, in order, from a fresh RowGroupReader over ``source``."""
+    from training_core.data import RowGroupReader
+
+    with RowGroupReader(source, **kwargs) as reader:
+        return [batch["id"].copy() for batch in reader]
+
+
 @pytest.fixture
 def ids_dataset(tmp_path: Path) -> Path:
     """1 000 rows in 3 files with uneven row groups (130, 200, 7 rows)."""

@@ -1,25 +1,22 @@
-"""Demo task, packing and dataset publication."""
+"""Demo task, packing and dataset writing: rows, files, the eval split, and the records refused while
+writing (too long, special tokens in the text, a tokenizer without pad or eos)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import pytest
 
-from training_core.base_model import load_tokenizer, train_demo_tokenizer
+from training_core.base_model import load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, read_eval_records, write_dataset
-from training_core.data.demo_task import ALPHABET, encode_word, generate_records, tokenizer_corpus
+from training_core.data.demo_task import encode_word, generate_records
 from training_core.data.packing import IGNORE_INDEX, TokenizedExample, is_eval_example, pack_examples, tokenize_example
-from training_core.data import quality
-from training_core.data.quality import DATASET_CHECK_NAMES, run_dataset_checks
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.config import TrainingConfig
+
+from .tokenizer_support import local_tokenizer
 
 
 def test_demo_records_are_a_pure_function_of_the_partition():
@@ -106,199 +103,6 @@ def test_deepspeed_config_has_concrete_values():
     assert "auto" not in repr(config)
 
 
-def test_dataset_checks_pass_on_a_clean_dataset_in_the_declared_order(demo_dataset, demo_model):
-    outcomes = run_dataset_checks(demo_dataset.path, demo_dataset.seq_len, load_tokenizer(demo_model.name_or_path))
-    assert tuple(o.name for o in outcomes) == DATASET_CHECK_NAMES
-    assert all(o.passed for o in outcomes), [o for o in outcomes if not o.passed]
-
-
-def test_dataset_checks_catch_a_duplicated_row_and_a_leaked_eval_example(tmp_path, demo_dataset, demo_model):
-    tokenizer = load_tokenizer(demo_model.name_or_path)
-    copy = Path(shutil.copytree(demo_dataset.path, tmp_path / "dataset"))
-    first_file = sorted((copy / "train").glob("*.parquet"))[0]
-    table = pq.read_table(first_file)
-    held_out = read_eval_records(copy)[0]
-    example = tokenize_example(tokenizer, held_out["prompt"], held_out["response"])
-    leaked = example.prompt_ids + example.response_ids
-    width = len(table.column("input_ids")[0])
-    leaked_row = leaked + [tokenizer.pad_token_id] * (width - len(leaked))
-    extra = pa.table({"input_ids": [table.column("input_ids")[0].as_py(), leaked_row],
-                      "labels": [table.column("labels")[0].as_py(), leaked_row]}, schema=table.schema)
-    pq.write_table(pa.concat_tables([table, extra]), first_file)
-
-    outcomes = {o.name: o for o in run_dataset_checks(str(copy), demo_dataset.seq_len, tokenizer)}
-    assert not outcomes["no_duplicate_rows"].passed and outcomes["no_duplicate_rows"].metadata["duplicate_rows"] == 1
-    assert not outcomes["no_eval_leakage"].passed and outcomes["no_eval_leakage"].metadata["leaked_examples"] == 1
-    assert outcomes["schema"].passed and outcomes["no_empty_rows"].passed
-
-
-def test_dataset_checks_read_one_row_group_at_a_time(demo_dataset, demo_model, monkeypatch):
-    """A day's dataset need not fit in memory: no check reads the whole split at once."""
-    read_table = pq.read_table
-
-    def whole_table(source, *args, **kwargs):
-        assert "train" not in Path(str(source)).parts, f"read the whole training split: {source}"
-        return read_table(source, *args, **kwargs)  # the eval split is small (max_eval_examples)
-
-    monkeypatch.setattr(pq, "read_table", whole_table)
-    outcomes = run_dataset_checks(demo_dataset.path, demo_dataset.seq_len, load_tokenizer(demo_model.name_or_path))
-    assert all(o.passed for o in outcomes)
-    assert outcomes[1].metadata["rows"] == demo_dataset.train_rows
-
-
-def test_ragged_rows_or_a_file_of_another_schema_fail_the_schema_check_by_name(tmp_path, demo_dataset, demo_model):
-    tokenizer = load_tokenizer(demo_model.name_or_path)
-    ragged = Path(shutil.copytree(demo_dataset.path, tmp_path / "ragged"))
-    first_file = sorted((ragged / "train").glob("*.parquet"))[0]
-    table = pq.read_table(first_file)
-    short = table.column("input_ids")[0].as_py()[:-3]
-    extra = pa.table({"input_ids": [short], "labels": [short]}, schema=table.schema)
-    pq.write_table(pa.concat_tables([table, extra]), first_file)
-    outcomes = {o.name: o for o in run_dataset_checks(str(ragged), demo_dataset.seq_len, tokenizer)}
-    width = demo_dataset.seq_len
-    assert not outcomes["schema"].passed
-    assert outcomes["schema"].description == f"row widths [{width - 3}, {width}] != seq_len {width}"
-
-    other = Path(shutil.copytree(demo_dataset.path, tmp_path / "other"))
-    files = sorted((other / "train").glob("*.parquet"))
-    pq.write_table(pa.table({"input_ids": [[1, 2]], "labels": [[1, 2]]}), other / "train" / "zz-extra.parquet")
-    outcome = run_dataset_checks(str(other), demo_dataset.seq_len, tokenizer)[0]
-    assert not outcome.passed and outcome.description.startswith(f"zz-extra.parquet: another schema than {files[0].name}")
-
-
-def _naive_occurrences(rows: np.ndarray, sequences: set[tuple[int, ...]]) -> int:
-    return sum(tuple(row[i : i + len(s)]) == s for row in rows.tolist() for s in sequences
-               for i in range(len(row) - len(s) + 1))
-
-
-@settings(max_examples=60, deadline=None)
-@given(data=st.data(), rows=st.integers(1, 9), width=st.integers(1, 12), vocab=st.integers(1, 4),
-       use_start_token=st.booleans())
-def test_count_occurrences_equals_a_plain_scan(data, rows, width, vocab, use_start_token):
-    """Small vocabularies make overlapping, repeated and 0-token windows common; tiny chunks cross
-    chunk boundaries. Sequences are cut from the rows (hits) or drawn at random (mostly misses)."""
-    table = np.array(data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=width, max_size=width),
-                                        min_size=rows, max_size=rows)), dtype=np.int32)
-    sequences = set()
-    for _ in range(data.draw(st.integers(1, 4))):
-        r, i = data.draw(st.integers(0, rows - 1)), data.draw(st.integers(0, width - 1))
-        sequences.add(tuple(table[r, i : i + data.draw(st.integers(1, width - i))].tolist()))
-    sequences |= set(map(tuple, data.draw(st.lists(st.lists(st.integers(0, vocab), min_size=1, max_size=width),
-                                                   max_size=3))))
-    start_token = data.draw(st.integers(0, vocab - 1)) if use_start_token else None
-    # start_token only narrows where to look: a match starts with its sequence's first token anyway
-    counted = quality.count_occurrences(table, sequences, start_token=start_token, rows_per_chunk=2)
-    assert counted == _naive_occurrences(table, sequences)
-
-
-@settings(max_examples=60, deadline=None)
-@given(data=st.data(), rows=st.integers(1, 9), width=st.integers(1, 12), vocab=st.integers(1, 4))
-def test_count_occurrences_from_given_starts_equals_a_plain_scan_from_them(data, rows, width, vocab):
-    """Tiny chunks cut the starts with the rows; a window counts only where its start is marked."""
-    table = np.array(data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=width, max_size=width),
-                                        min_size=rows, max_size=rows)), dtype=np.int32)
-    starts = np.array(data.draw(st.lists(st.lists(st.booleans(), min_size=width, max_size=width),
-                                         min_size=rows, max_size=rows)), dtype=bool)
-    r, i = data.draw(st.integers(0, rows - 1)), data.draw(st.integers(0, width - 1))
-    sequences = {tuple(table[r, i : i + data.draw(st.integers(1, width - i))].tolist())}
-    expected = sum(tuple(table[row, i : i + len(s)].tolist()) == s for row in range(rows) for s in sequences
-                   for i in range(width - len(s) + 1) if starts[row, i])
-    assert quality.count_occurrences(table, sequences, rows_per_chunk=2, starts=starts) == expected
-
-
-def _local_tokenizer(directory: Path, **special_tokens: str):
-    """The demo's word-level tokenizer (one token per letter, built here: no download) with other
-    special tokens, saved and loaded as a base model's is: without a pad token, it pads with eos."""
-    from transformers import PreTrainedTokenizerFast
-
-    backend = train_demo_tokenizer(tokenizer_corpus()).backend_tokenizer
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", **special_tokens).save_pretrained(directory)
-    return load_tokenizer(str(directory))
-
-
-# Qwen-like: no BOS, padded with a pad token of its own or (no pad token) with eos.
-WITHOUT_BOS = {"own pad": {"eos_token": "</s>", "pad_token": "<pad>"}, "pad is eos": {"eos_token": "</s>"}}
-
-
-def _tails_of_a_held_out_example(tokenizer, directory: Path):
-    """A dataset whose training examples end with a held-out example's tokens ("<w> a b" → "z" for a
-    held-out "a b" → "z"): other examples, not copies of it. Returns (dataset, held-out record)."""
-    spec = DatasetSpec(seq_len=32, eval_fraction=0.3)
-    held_out = next(f"{a} {b}" for a in ALPHABET for b in ALPHABET if is_eval_example(f"{a} {b}", spec.eval_fraction))
-    records = [{"prompt": held_out, "response": "z"}]
-    records += [{"prompt": f"{w} {held_out}", "response": "z"} for w in ALPHABET
-                if not is_eval_example(f"{w} {held_out}", spec.eval_fraction)]
-    return write_dataset(records, tokenizer, directory, spec, source_label="t"), records[0]
-
-
-@pytest.mark.parametrize("special_tokens", WITHOUT_BOS.values(), ids=WITHOUT_BOS.keys())
-def test_a_held_out_example_that_ends_training_examples_is_not_leaked_without_a_bos(tmp_path, special_tokens):
-    """With a BOS only windows at an example's start were compared; without one every window was, so
-    the tail of another training example counted as leaked and the blocking check stopped the day."""
-    tokenizer = _local_tokenizer(tmp_path / "tokenizer", **special_tokens)
-    assert tokenizer.bos_token_id is None
-    dataset, _ = _tails_of_a_held_out_example(tokenizer, tmp_path / "out")
-    assert dataset.train_examples > 10 and dataset.eval_examples == 1
-    leakage = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}["no_eval_leakage"]
-    assert leakage.passed and leakage.metadata["leaked_examples"] == 0, leakage.description
-
-
-@pytest.mark.parametrize("special_tokens", WITHOUT_BOS.values(), ids=WITHOUT_BOS.keys())
-def test_a_held_out_example_copied_into_training_is_leaked_once_without_a_bos(tmp_path, special_tokens):
-    """The copy is packed after another example and before padding (eos, when pad is eos): it counts
-    once, where it starts, and the training examples that merely end with its tokens do not."""
-    tokenizer = _local_tokenizer(tmp_path / "tokenizer", **special_tokens)
-    dataset, held_out = _tails_of_a_held_out_example(tokenizer, tmp_path / "out")
-    first_file = sorted((Path(dataset.path) / "train").glob("*.parquet"))[0]
-    table = pq.read_table(first_file)
-    copied = pack_examples([tokenize_example(tokenizer, "c d", "y"), tokenize_example(tokenizer, **held_out)],
-                           dataset.seq_len, tokenizer.pad_token_id)
-    extra = pa.table({name: copied[name].tolist() for name in ("input_ids", "labels")}, schema=table.schema)
-    pq.write_table(pa.concat_tables([table, extra]), first_file)
-
-    leakage = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}["no_eval_leakage"]
-    assert not leakage.passed and leakage.metadata["leaked_examples"] == 1, leakage.description
-
-
-LAYOUTS = {"no bos, pad is eos": {"eos_token": "</s>"},
-           "bos is eos is pad (GPT-2)": {"bos_token": "</s>", "eos_token": "</s>"}}
-
-
-@pytest.mark.parametrize("special_tokens", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_examples_start_after_a_trained_eos_not_after_a_bos_or_in_padding_that_are_eos(tmp_path, special_tokens):
-    tokenizer = _local_tokenizer(tmp_path / "tokenizer", **special_tokens)
-    assert tokenizer.pad_token_id == tokenizer.eos_token_id
-    examples = [tokenize_example(tokenizer, "a b", "c"), tokenize_example(tokenizer, "", "d"),
-                tokenize_example(tokenizer, "e", "f")]  # "": an example may start with its response
-    packed = pack_examples(examples, seq_len=16, pad_token_id=tokenizer.pad_token_id)
-    lengths = [len(e.prompt_ids) + len(e.response_ids) for e in examples]
-    expected = np.zeros(16, dtype=bool)
-    expected[np.cumsum([0, *lengths[:-1]])] = True
-    assert sum(lengths) < 16 and packed["input_ids"][0, sum(lengths)] == tokenizer.eos_token_id
-    starts = quality.example_starts(packed["input_ids"], packed["labels"], tokenizer.eos_token_id)
-    assert starts[0].tolist() == expected.tolist()
-
-
-# One vocabulary, three conventions for the special tokens: the same records pack into the same rows.
-PAD_LAYOUTS = {"own pad": {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
-               "pad is eos (Llama)": {"bos_token": "<s>", "eos_token": "</s>"},
-               "bos is eos is pad (GPT-2)": {"bos_token": "</s>", "eos_token": "</s>"}}
-
-
-def test_token_fill_is_the_same_whether_the_pad_token_is_its_own_or_eos(tmp_path):
-    """Every token equal to the pad token counted as padding: with pad == eos each example's eos (and
-    GPT-2's bos) did, so a day 55 % filled read 50 % (Llama) or 45 % (GPT-2), failing the blocking check."""
-    records = generate_records("2026-11-01", 2000)  # 11 tokens an example: one per row of 20, 55 % filled
-    checks = {}
-    for name, special_tokens in PAD_LAYOUTS.items():
-        tokenizer = _local_tokenizer(tmp_path / name, **special_tokens)
-        dataset = write_dataset(records, tokenizer, tmp_path / name / "out", DatasetSpec(seq_len=20), source_label="t")
-        check = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}["token_lengths"]
-        assert check.metadata["mean_fill"] == pytest.approx(dataset.tokens / (dataset.train_rows * dataset.seq_len))
-        checks[name] = (check.passed, check.metadata)
-    assert checks["own pad"] == checks["pad is eos (Llama)"] == checks["bos is eos is pad (GPT-2)"]
-    assert checks["own pad"][0] and checks["own pad"][1]["tokens_p50"] == 11.0
-    assert quality.content_lengths(np.full((1, 8), IGNORE_INDEX)).tolist() == [0]  # a row training nothing fills nothing
 
 
 @pytest.mark.parametrize("field, record", [
@@ -314,7 +118,7 @@ def test_a_record_whose_text_holds_a_special_token_is_refused_naming_it(tmp_path
     from training_core.data.sources import ORIGINS_FILE, read_records_with_origins
     from training_core.errors import SourceDataError
 
-    tokenizer = _local_tokenizer(tmp_path / "tokenizer", bos_token="<s>", eos_token="</s>")  # Llama-style
+    tokenizer = local_tokenizer(tmp_path / "tokenizer", bos_token="<s>", eos_token="</s>")  # Llama-style
     ordinary = generate_records("2026-11-01", 200)
     assert write_dataset(ordinary, tokenizer, tmp_path / "ordinary", DatasetSpec(), source_label="p").train_rows
     source = tmp_path / "source.jsonl"
@@ -339,11 +143,11 @@ def test_an_instruct_models_turn_end_eos_in_a_prompt_is_kept_and_gpt2s_endoftext
     prompt. GPT-2 and its kin: unk == bos == eos == pad, still refused where it ends a response."""
     from training_core.errors import SourceDataError
 
-    chat = _local_tokenizer(tmp_path / "chat", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+    chat = local_tokenizer(tmp_path / "chat", eos_token="<|im_end|>", pad_token="<|endoftext|>",
                             additional_special_tokens=["<|im_start|>"])
     records = [{**r, "prompt": f"<|im_start|> {r['prompt']} <|im_end|>"} for r in generate_records("2026-11-01", 200)]
     assert write_dataset(records, chat, tmp_path / "chat-out", DatasetSpec(), source_label="p").train_rows
-    gpt2 = _local_tokenizer(tmp_path / "gpt2", bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    gpt2 = local_tokenizer(tmp_path / "gpt2", bos_token="<|endoftext|>", eos_token="<|endoftext|>")
     gpt2.unk_token = "<|endoftext|>"
     assert {gpt2.unk_token_id, gpt2.bos_token_id, gpt2.pad_token_id} == {gpt2.eos_token_id}
     ending = [{"prompt": "encode: a b c d", "response": "d e f g <|endoftext|>"}]
@@ -353,7 +157,7 @@ def test_an_instruct_models_turn_end_eos_in_a_prompt_is_kept_and_gpt2s_endoftext
 
 def test_a_chat_marker_in_a_prompt_is_kept_as_the_special_token_it_is(tmp_path):
     """Only bos, eos and pad are doubled by packing; a prompt laid out in the model's chat format is meant."""
-    tokenizer = _local_tokenizer(tmp_path / "tokenizer", bos_token="<s>", eos_token="</s>",
+    tokenizer = local_tokenizer(tmp_path / "tokenizer", bos_token="<s>", eos_token="</s>",
                                  additional_special_tokens=["<|im_start|>"])
     marker = tokenizer.convert_tokens_to_ids("<|im_start|>")
     records = [{**r, "prompt": f"<|im_start|> {r['prompt']}"} for r in generate_records("2026-11-01", 200)]
@@ -368,7 +172,7 @@ def test_a_tokenizer_without_a_pad_or_eos_token_is_refused_before_anything_is_wr
 
     from training_core.errors import ConfigError
 
-    _local_tokenizer(tmp_path / "llama", bos_token="<s>", eos_token="</s>")  # saved without a pad token
+    local_tokenizer(tmp_path / "llama", bos_token="<s>", eos_token="</s>")  # saved without a pad token
     no_pad = AutoTokenizer.from_pretrained(tmp_path / "llama")
     assert no_pad.pad_token_id is None
     records = generate_records("2026-11-01", 200)
@@ -379,124 +183,12 @@ def test_a_tokenizer_without_a_pad_or_eos_token_is_refused_before_anything_is_wr
         write_dataset(records, no_pad, out, DatasetSpec(), source_label="p")
     with pytest.raises(ConfigError, match="pad_token_id is None: the tokenizer has no pad token"):
         pack_examples([tokenize_example(no_pad, "a b", "c")], 16, no_pad.pad_token_id)
-    no_eos = _local_tokenizer(tmp_path / "no-eos", bos_token="<s>")  # load_tokenizer has no eos to pad with
+    no_eos = local_tokenizer(tmp_path / "no-eos", bos_token="<s>")  # load_tokenizer has no eos to pad with
     with pytest.raises(ConfigError, match=r"tokenizer .*no-eos: it has no eos token"):
         write_dataset(records, no_eos, out, DatasetSpec(), source_label="p")
     assert list(out.iterdir()) == []
 
 
-def test_published_directories_name_the_files_that_changed_later(tmp_path):
-    from training_core.storage import FILE_DIGESTS, changed_files, directory_digest
-
-    folder = tmp_path / "d"
-    (folder / "train").mkdir(parents=True)
-    (folder / "train" / "a.parquet").write_bytes(b"aaaa")
-    (folder / "manifest.json").write_text("{}")
-    plain = directory_digest(folder)
-    assert changed_files(folder) is None  # nothing recorded yet
-    assert directory_digest(folder, record_files=True) == plain  # same digest: the record is hidden
-    assert (folder / FILE_DIGESTS).is_file() and directory_digest(folder) == plain
-    assert changed_files(folder) == []
-    (folder / "train" / "a.parquet").write_bytes(b"aaab")
-    (folder / "train" / "b.parquet").write_bytes(b"new")
-    (folder / "manifest.json").unlink()
-    assert changed_files(folder) == ["manifest.json (removed)", "train/a.parquet (changed)", "train/b.parquet (added)"]
-
-
-def test_staging_folders_of_dead_writers_are_swept_and_live_ones_kept(tmp_path):
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    from training_core.storage import staging_directory
-
-    host = socket.gethostname()
-    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = tmp_path / f".staging-{host}-{int(ended.stdout)}-abc"
-    live = tmp_path / f".staging-{host}-{os.getppid()}-def"  # our parent: alive
-    old = tmp_path / ".staging-0123456789abcdef"  # the earlier naming, from any host
-    for folder in (dead, live, old):
-        (folder / "train").mkdir(parents=True)
-    os.utime(old / "train", (0, 0))  # untouched for longer than the 6 h limit
-    os.utime(old, (0, 0))
-    stalled = tmp_path / ".staging-other-host-1-ghi"  # another host's: only its age counts
-    (stalled / "train").mkdir(parents=True)
-    os.utime(stalled, (0, 0))  # the folder is old, but a file inside it is being written now
-    with staging_directory(tmp_path) as staging:
-        assert staging.name.startswith(f".staging-{host}-{os.getpid()}-")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, stalled.name])
-
-
-def test_publishing_over_a_damaged_copy_replaces_it(tmp_path):
-    from training_core.storage import directory_digest, publish_directory, staging_directory
-
-    def publish() -> Path:
-        with staging_directory(tmp_path) as staging:
-            (staging / "part-0.parquet").write_bytes(b"rows")
-            (staging / "part-1.parquet").write_bytes(b"more rows")
-            digest = directory_digest(staging, record_files=True)
-            return publish_directory(staging, tmp_path / digest[:16])
-
-    final = publish()
-    (final / "part-1.parquet").unlink()  # damaged after publication
-    assert publish() == final
-    assert (final / "part-1.parquet").read_bytes() == b"more rows"
-    intact_inode = (final / "part-0.parquet").stat().st_ino
-    assert publish() == final and (final / "part-0.parquet").stat().st_ino == intact_inode  # intact: kept
-    assert [p.name for p in tmp_path.iterdir()] == [final.name]
-
-
-@pytest.mark.parametrize("publish_name", ["publish_directory", "replace_directory"])
-def test_publishing_reaches_the_disk_before_the_rename_does(tmp_path, monkeypatch, publish_name):
-    """Power lost after a publish must not leave the published name holding empty files: every
-    file and folder is fsynced before the rename, and the parent (the new entry) after it."""
-    import os
-
-    from training_core import storage
-
-    events = []
-    real_fsync, real_replace = os.fsync, os.replace
-    monkeypatch.setattr(storage.os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
-                                                        real_fsync(fd))[1])
-    monkeypatch.setattr(storage.os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b))[1])
-    with storage.staging_directory(tmp_path) as staging:
-        (staging / "train").mkdir()
-        (staging / "train" / "part-0.parquet").write_bytes(b"rows")
-        (staging / "config.json").write_text("{}")
-        written = {str(staging), str(staging / "train"), str(staging / "train" / "part-0.parquet"),
-                   str(staging / "config.json")}
-        final = getattr(storage, publish_name)(staging, tmp_path / "published")
-    renames = [i for i, (kind, _) in enumerate(events) if kind == "replace"]
-    assert [events[i][1] for i in renames] == [str(final)]
-    assert {path for kind, path in events[:renames[0]] if kind == "fsync"} == written
-    assert ("fsync", str(tmp_path)) in events[renames[0]:]
-    assert (final / "train" / "part-0.parquet").read_bytes() == b"rows"
-
-
-@pytest.mark.parametrize("record_damage", ["deleted", "emptied", "not a mapping"])
-def test_a_published_copy_whose_digest_record_is_gone_is_replaced_not_trusted(tmp_path, caplog, record_damage):
-    from training_core.storage import FILE_DIGESTS, changed_files, directory_digest, publish_directory, staging_directory
-
-    def publish() -> Path:
-        with staging_directory(tmp_path) as staging:
-            (staging / "part-0.parquet").write_bytes(b"rows")
-            digest = directory_digest(staging, record_files=True)
-            return publish_directory(staging, tmp_path / digest[:16])
-
-    final = publish()
-    record = final / FILE_DIGESTS
-    if record_damage == "deleted":
-        record.unlink()
-    else:  # a crash left it empty, or someone edited it: unreadable is no record, never a traceback
-        record.write_text("" if record_damage == "emptied" else "[1, 2]")
-    (final / "part-0.parquet").unlink()  # damage nobody can see without the record
-    with caplog.at_level("WARNING", logger="training_core.storage"):
-        assert publish() == final
-    assert (final / "part-0.parquet").read_bytes() == b"rows" and changed_files(final) == []
-    assert f"{final} is not as published (no {FILE_DIGESTS} to verify it against): replacing it" in caplog.text
-    if record_damage != "deleted":
-        assert f"file digest record {record} is" in caplog.text
 
 
 def _overlong_prompt(in_eval: bool, eval_fraction: float = 0.05) -> str:
@@ -543,77 +235,3 @@ def test_an_overlong_record_in_the_eval_split_is_refused_like_one_in_the_train_s
         write_dataset([*short, train_long, {"prompt": long_prompt, "response": "x"}], tokenizer, out, DatasetSpec(),
                       source_label="p")
     assert list(out.iterdir()) == []
-
-
-def test_a_duplicate_rows_failure_names_the_repeated_source_records(tmp_path, demo_model):
-    import json
-
-    from training_core.data.quality import run_dataset_checks
-    from training_core.data.sources import ORIGINS_FILE, read_records_with_origins
-
-    distinct = list({(r["prompt"], r["response"]): r for r in generate_records("2026-11-03", 80)}.values())[:60]
-    source = tmp_path / "mine.jsonl"  # the user's file: lines 61 and 62 repeat lines 5 and 9
-    source.write_text("".join(json.dumps(r) + "\n" for r in [*distinct, distinct[4], distinct[8]]))
-    records, origins = read_records_with_origins(source)
-    frozen = tmp_path / "raw" / "records.jsonl"  # as raw_examples freezes them, origins beside
-    frozen.parent.mkdir()
-    frozen.write_text("".join(json.dumps(r) + "\n" for r in records))
-    origins.save(frozen.parent / ORIGINS_FILE)
-    tokenizer = load_tokenizer(demo_model.name_or_path)
-    # 11 tokens per record, rows of 16: one record per row, so a repeated record is a repeated row
-    dataset = write_dataset(records, tokenizer, tmp_path / "out", DatasetSpec(seq_len=16, row_group_rows=16),
-                            source_label="t")
-
-    outcomes = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records, str(frozen))}
-    check = outcomes["no_duplicate_rows"]
-    assert not check.passed and check.metadata["duplicate_records"] == 2
-    assert check.description.endswith(f": 2 source records repeat an earlier one, e.g. line 61 of {source} repeats "
-                                      f"line 5 of {source}; line 62 of {source} repeats line 9 of {source}")
-    without_records = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}
-    assert "source records" not in without_records["no_duplicate_rows"].description
-
-
-def test_a_source_exported_twice_fails_the_duplicate_check_even_when_packing_yields_distinct_rows(tmp_path, demo_model):
-    # Rows of 64 tokens hold several records each: the second copy of the export packs into other
-    # combinations, so no packed row repeats, yet every record does.
-    from training_core.data.quality import run_dataset_checks
-
-    distinct = list({(r["prompt"], r["response"]): r for r in generate_records("2026-11-03", 300)}.values())[:200]
-    tokenizer = load_tokenizer(demo_model.name_or_path)
-    twice = [*distinct, *distinct[3:], *distinct[:3]]
-    dataset = write_dataset(twice, tokenizer, tmp_path / "out", DatasetSpec(seq_len=64, row_group_rows=32),
-                            source_label="t")
-    check = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, twice)}["no_duplicate_rows"]
-    assert check.metadata["duplicate_rows"] == 0
-    assert not check.passed and check.metadata["duplicate_records"] == 200
-    assert "200 source records (50.0%, more than the 5% allowed) repeat an earlier one" in check.description
-    # natural repeats below the limit pass, and are counted
-    few = [*distinct, *distinct[:5]]
-    dataset = write_dataset(few, tokenizer, tmp_path / "few", DatasetSpec(seq_len=64, row_group_rows=32),
-                            source_label="t")
-    check = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, few)}["no_duplicate_rows"]
-    assert check.passed and check.metadata["duplicate_records"] == 5
-
-
-def test_a_training_window_names_days_that_failed_checks_and_caches_warmed_for_another_dataset():
-    from dataclasses import replace
-
-    from training_core.data import cache_version
-    from training_core.data.batch_columns import TRAINING_COLUMNS
-    from training_core.data.dataset_writer import PublishedDataset
-    from training_core.data.window import DatasetWindow
-
-    def day(digest: str, failed_checks=()) -> PublishedDataset:
-        return PublishedDataset(f"/data/{digest}", digest, 10, 10, 2, 1, 1, 8, 80, failed_checks=failed_checks)
-
-    window = DatasetWindow.from_partitions({
-        "2026-11-01": day("a" * 64, ("no_duplicate_rows",)), "2026-11-02": day("b" * 64),
-        "2026-11-03": replace(day("c" * 64), failed_checks=None),  # stored before checks were recorded
-    })
-    assert window.failed_checks() == {"2026-11-01": ("no_duplicate_rows",)}
-    warmed = {key: cache_version(digest * 64, TRAINING_COLUMNS, "none")
-              for key, digest in (("2026-11-01", "a"), ("2026-11-02", "b"), ("2026-11-03", "c"))}
-    assert window.stale_caches(warmed) == []
-    # 11-02's cache was warmed before its dataset was rematerialized with other content
-    assert window.stale_caches({**warmed, "2026-11-02": cache_version("d" * 64, TRAINING_COLUMNS, "none")}) == [
-        "2026-11-02"]

@@ -346,25 +346,3 @@ def test_an_mlflow_experiment_with_artifacts_inside_the_deployments_folder_is_ac
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     MlflowClient(uri).create_experiment("tessera", artifact_location=(tmp_path / "mlartifacts" / "1").as_uri())
     assert MlflowTracking(uri, tmp_path / "mlartifacts").experiment_id
-
-
-@pytest.mark.parametrize(("refusal", "published"), [(22, True), (95, True), (5, False)])  # EINVAL, EOPNOTSUPP, EIO
-def test_a_filesystem_that_refuses_fsync_still_publishes_but_an_io_error_fails(tmp_path, monkeypatch, refusal, published):
-    """Some FUSE and CIFS mounts answer fsync with EINVAL: publishing worked there before it synced."""
-    import errno
-
-    from training_core import storage
-
-    def refused(descriptor):
-        raise OSError(refusal, os.strerror(refusal))
-
-    monkeypatch.setattr(storage.os, "fsync", refused)
-    with storage.staging_directory(tmp_path) as staging:
-        (staging / "part-0.parquet").write_bytes(b"rows")
-        if published:
-            final = storage.publish_directory(staging, tmp_path / "published")
-            assert (final / "part-0.parquet").read_bytes() == b"rows"
-        else:
-            with pytest.raises(OSError, match=os.strerror(errno.EIO)):
-                storage.publish_directory(staging, tmp_path / "published")
-            assert not (tmp_path / "published").exists()
