@@ -201,12 +201,6 @@ class TokenizerIdentity:
     bos: str | None  # "<s> (id 1)"; None: no bos is put before prompts
     eos: str
 
-    @property
-    def fingerprint(self) -> str:
-        import hashlib
-
-        return hashlib.sha256(json.dumps([self.text_digest, self.bos, self.eos]).encode()).hexdigest()
-
     def special_token_differences(self, other: TokenizerIdentity) -> list[tuple[str, str, str]]:
         """(role, this one's token, the other's) where they differ, "none" for a missing bos."""
         pairs = (("bos", self.bos, other.bos), ("eos", self.eos, other.eos))
@@ -227,12 +221,6 @@ def tokenizer_identity(name_or_path: str) -> TokenizerIdentity:
     return TokenizerIdentity(text_digest=hashlib.sha256(described.encode()).hexdigest(),
                              bos=named(tokenizer.bos_token, tokenizer.bos_token_id),
                              eos=named(tokenizer.eos_token, tokenizer.eos_token_id))
-
-
-def tokenizer_fingerprint(name_or_path: str) -> str:
-    """A digest of how the model's tokenizer turns a record into ids (:class:`TokenizerIdentity`): two
-    models with the same fingerprint score the same token sequences, so their per-token losses compare."""
-    return tokenizer_identity(name_or_path).fingerprint
 
 
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length")

@@ -14,7 +14,8 @@ from training_core.train.checkpointing import (
     ENGINE_DIR, MODEL_DIR, RAY_SNAPSHOT, load_progress, verify_checkpoint_files,
 )
 from training_core.train.config import LoraSettings, TrainingConfig
-from training_core.train.launcher import FAULT_STEP_ENV, run_training
+from training_core.train.fault_injection import FAULT_STEP_ENV
+from training_core.train.launcher import run_training
 
 pytestmark = pytest.mark.integration
 

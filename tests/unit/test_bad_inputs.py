@@ -142,7 +142,7 @@ def test_a_misspelt_switch_is_refused_with_its_name(monkeypatch):
 
 @pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5", "²"])
 def test_a_fault_step_that_is_not_a_step_number_is_refused(monkeypatch, value):
-    from training_core.train.launcher import FAULT_STEP_ENV, fault_step_from_env
+    from training_core.train.fault_injection import FAULT_STEP_ENV, fault_step_from_env
 
     monkeypatch.setenv(FAULT_STEP_ENV, value)
     with pytest.raises(ConfigError, match=f"TESSERA_FAULT_STEP='{value}': expected a training step number"):
@@ -150,7 +150,8 @@ def test_a_fault_step_that_is_not_a_step_number_is_refused(monkeypatch, value):
 
 
 def test_a_fault_step_after_the_last_step_is_refused_before_any_worker_starts(monkeypatch, tmp_path):
-    from training_core.train.launcher import FAULT_STEP_ENV, run_training
+    from training_core.train.fault_injection import FAULT_STEP_ENV
+    from training_core.train.launcher import run_training
 
     monkeypatch.setenv(FAULT_STEP_ENV, "11")
     with pytest.raises(ConfigError, match="TESSERA_FAULT_STEP=11 would never fire: the run stops at max_steps=10"):
@@ -189,7 +190,7 @@ def test_an_accelerator_the_config_contradicts_is_named_in_a_warning(monkeypatch
 
 
 def test_fault_step_parses_and_is_off_when_unset(monkeypatch):
-    from training_core.train.launcher import FAULT_STEP_ENV, fault_step_from_env
+    from training_core.train.fault_injection import FAULT_STEP_ENV, fault_step_from_env
 
     monkeypatch.setenv(FAULT_STEP_ENV, " 12 ")
     assert fault_step_from_env() == 12

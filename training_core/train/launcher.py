@@ -27,8 +27,7 @@ from training_core.train.config import TrainingConfig
 from training_core.train.data_preflight import check_training_data
 from training_core.train.model_setup import check_module_names_before_start
 from training_core.train.deepspeed_config import build_deepspeed_config
-# FAULT_STEP_ENV, fault_step_from_env: re-exported, the chaos hook's names where the run starts
-from training_core.train.fault_injection import FAULT_STEP_ENV, fault_step_for, fault_step_from_env  # noqa: F401
+from training_core.train.fault_injection import fault_step_for
 from training_core.train.loop import WorkerInputs, train_loop_per_worker
 from training_core.train.ray_trainer import torch_trainer_class, use_quick_health_checks
 from training_core.train.repeatable_failures import clear_repeatable_failure, recorded_repeatable_failure
