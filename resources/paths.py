@@ -52,6 +52,7 @@ class TesseraStorage(dg.ConfigurableResource):
 
 
 HOME_MARKER = ".tessera-home"  # the absolute path the state folder was created at
+_CHECKED_ROOTS: set[Path] = set()  # verified in this process: `folder` runs on every path lookup
 
 
 def check_not_moved(root: Path) -> None:
@@ -61,6 +62,8 @@ def check_not_moved(root: Path) -> None:
     paths into it: after a move, new runs would write artifacts under the old path again (outside
     the state folder), and the champion's model could no longer be loaded, so the champion gate
     would compare with nothing. A symlink from the old path to the new one is fine."""
+    if root in _CHECKED_ROOTS:
+        return
     marker = root / HOME_MARKER
     try:
         recorded = marker.read_text().strip()
@@ -69,6 +72,7 @@ def check_not_moved(root: Path) -> None:
         try:
             pending.write_text(str(root) + "\n")
             os.replace(pending, marker)
+            _CHECKED_ROOTS.add(root)
         except OSError:  # a read-only root (its subfolders writable): nothing can be recorded, nor checked
             with contextlib.suppress(OSError):
                 pending.unlink(missing_ok=True)
@@ -81,3 +85,4 @@ def check_not_moved(root: Path) -> None:
             "or copied since; its MLflow runs, lineage and Dagster step values name files under the old "
             f"path. Move it back, make {recorded} a symlink to {root}, or start from an empty state folder"
         )
+    _CHECKED_ROOTS.add(root)
