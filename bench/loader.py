@@ -167,7 +167,7 @@ def measure_raw(data: str) -> dict:
 def measure_ray(data: str, passes: int = 2) -> dict:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", object_store_memory=2 * 10**9)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error", object_store_memory=2 * 10**9)
     try:
         rates = []
         for _ in range(passes):

@@ -37,7 +37,7 @@ def _one_process(what: str) -> list[float]:
 
     use_local_ray_defaults()
     use_quick_health_checks()
-    ray.init(num_cpus=2, logging_level="warning")
+    ray.init(address="local", num_cpus=2, logging_level="warning")
     seconds = []
     if what == "noop":
         import ray.train

@@ -302,7 +302,7 @@ def run(output_dir: Path, quick: bool = False) -> dict:
 
     use_local_ray_defaults()  # in-process local Ray, as the local code location runs it
     if not ray.is_initialized():
-        ray.init(num_cpus=2, logging_level="warning")
+        ray.init(address="local", num_cpus=2, logging_level="warning")
     rounds: list[dict[str, dict]] = []
     try:
         for index in range(QUICK_ROUNDS if quick else ROUNDS):

@@ -102,7 +102,7 @@ def _connect_to_ray(address: str | None) -> None:
         ray.init(address=cluster.address, logging_level="warning")
     else:
         use_local_ray_defaults()  # as the local code location's LocalRayCluster runs it
-        ray.init(logging_level="warning")
+        ray.init(address="local", logging_level="warning")  # never join RAY_ADDRESS or a `ray start` cluster
 
 
 def print_drift(console: Console, run_id: str, drift: list[tuple[str, str, str]]) -> None:

@@ -96,6 +96,12 @@ class LocalRayCluster(_SharesRunningRay, LocalRay):
     )
 
     @property
+    def ray_address(self) -> str:  # type: ignore[override]
+        # "local" starts a fresh Ray in this process. dagster-ray's None would join whatever RAY_ADDRESS
+        # or a `ray start` on this machine points at, with none of ExternalRayCluster's checks.
+        return "local"
+
+    @property
     def autoscaling(self) -> bool:
         return False  # one machine: what it has now is all it will ever have
 

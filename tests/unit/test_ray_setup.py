@@ -213,6 +213,21 @@ def test_an_external_ray_address_must_be_host_and_port(address):
         assert ExternalRayCluster(address=good).address == good
 
 
+def test_local_ray_starts_its_own_ray_even_where_ray_address_points_at_a_cluster(monkeypatch):
+    """Ray's own default (address None) joins RAY_ADDRESS or a `ray start` on this machine, with the
+    local-only settings and none of ExternalRayCluster's reachability checks."""
+    import ray
+
+    from resources.ray_cluster import LocalRayCluster
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh step process
+    addresses = []
+    monkeypatch.setattr(ray, "init", lambda address=None, **options: addresses.append(address))
+    LocalRayCluster().connect(dg.build_init_resource_context())
+    assert addresses == ["local"]
+
+
 def _closed_port() -> int:
     import socket
 
