@@ -43,7 +43,26 @@ def scheduled_run_config(embedded_defaults_allowed: bool = True) -> dict:
     if not isinstance(values, dict) or not set(values) <= {"ops", "resources", "execution", "loggers"}:
         raise ConfigError(f"{RUN_CONFIG_ENV}={path}: expected Dagster run config, a mapping with 'ops' (and "
                           f"optionally 'resources'), got {type(values).__name__ if not isinstance(values, dict) else sorted(values)}")
+    if not embedded_defaults_allowed and (defaulted := _settings_left_on_the_demo(values)):
+        raise ConfigError(f"{RUN_CONFIG_ENV}={path}: {' and '.join(defaulted)} must name your own data and model: "
+                          "this code location does not retrain on the embedded demo defaults")
     return values
+
+
+# The settings whose embedded default is the demo's generated data or tiny model.
+DEMO_DEFAULTED_SETTINGS = (("raw_examples", "source"), ("base_model", "name_or_path"))
+
+
+def _settings_left_on_the_demo(run_config: dict) -> list[str]:
+    """`ops.<asset>.config.<field>` paths a run config leaves unset or sets to 'demo'."""
+    left = []
+    for asset, field in DEMO_DEFAULTED_SETTINGS:
+        value = run_config
+        for key in ("ops", asset, "config", field):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is None or value == "demo":
+            left.append(f"ops.{asset}.config.{field}")
+    return left
 
 
 # Daily retraining on the day that just closed, at RETRAIN_HOUR:RETRAIN_MINUTE UTC (the partitions'

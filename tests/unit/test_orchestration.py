@@ -10,8 +10,10 @@ from datetime import datetime, timezone
 
 import dagster as dg
 import pytest
+import yaml
 
 from pipelines.definitions import defs
+from training_core.errors import ConfigError
 
 
 def _tick(when: datetime):
@@ -73,6 +75,30 @@ def test_the_kubernetes_location_refuses_to_retrain_on_the_demo_defaults(monkeyp
                                                        "retrain on the embedded demo defaults")
     assert "each tick fails" in schedule.description and "demo defaults" in defs.resolve_schedule_def(
         "daily_retrain").description
+
+
+@pytest.mark.parametrize(("content", "left_on_the_demo"), [
+    ("{}\n", "ops.raw_examples.config.source and ops.base_model.config.name_or_path"),
+    ("resources: {}\n", "ops.raw_examples.config.source and ops.base_model.config.name_or_path"),
+    ("ops:\n  lora_adapter:\n    config: {max_steps: 10}\n",
+     "ops.raw_examples.config.source and ops.base_model.config.name_or_path"),
+    ("ops:\n  raw_examples:\n    config: {source: /data/exports}\n", "ops.base_model.config.name_or_path"),
+    ("ops:\n  raw_examples:\n    config: {source: demo}\n  base_model:\n    config: {name_or_path: /models/b}\n",
+     "ops.raw_examples.config.source"),
+])
+def test_the_kubernetes_location_refuses_a_run_config_that_leaves_data_or_model_on_the_demo(
+        tmp_path, monkeypatch, content, left_on_the_demo):
+    # A file that sets only some settings falls back to the demo defaults for the rest.
+    from pipelines.jobs import scheduled_run_config
+
+    run_config = tmp_path / "daily_retrain.yaml"
+    run_config.write_text(content)
+    monkeypatch.setenv("TESSERA_RUN_CONFIG", str(run_config))
+    assert scheduled_run_config(embedded_defaults_allowed=True) == yaml.safe_load(content)  # local: allowed
+    with pytest.raises(ConfigError) as refused:
+        scheduled_run_config(embedded_defaults_allowed=False)
+    assert str(refused.value) == (f"TESSERA_RUN_CONFIG={run_config}: {left_on_the_demo} must name your own data and "
+                                  "model: this code location does not retrain on the embedded demo defaults")
 
 
 def test_training_is_limited_by_a_concurrency_pool():
