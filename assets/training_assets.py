@@ -37,6 +37,11 @@ class TrainingRunConfig(dg.Config):
     method: Literal["full", "lora", "qlora"] = Field("lora", description="full fine-tuning, LoRA, or QLoRA (GPU)")
     lora_r: int = Field(16, gt=0, description="LoRA rank")
     lora_alpha: int = Field(32, gt=0, description="LoRA alpha (scale = alpha / r)")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the LoRA path")
+    lora_target_modules: list[str] = Field(
+        ["all-linear"], description="layers LoRA wraps: ['all-linear'] (every linear layer but the LM head) "
+        "or module names, e.g. ['q_proj', 'v_proj']",
+    )
     lora_modules_to_save: list[str] = Field(
         ["embed_tokens", "lm_head"],
         description="modules trained in full beside LoRA; the demo base is random, so it needs these. "
@@ -49,10 +54,17 @@ class TrainingRunConfig(dg.Config):
     micro_batch_size: int = Field(8, description="rows per worker per step")
     gradient_accumulation_steps: int = Field(1, ge=1)
     learning_rate: float = Field(3e-3, description="peak learning rate")
-    max_steps: int = Field(120, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay after warm-up")
+    warmup_steps: int = Field(10, ge=0, description="optimizer steps of linear warm-up from 0")
+    weight_decay: float = Field(0.0, ge=0.0)
+    gradient_clipping: float = Field(1.0, ge=0.0, description="max gradient norm; 0 turns clipping off")
+    max_steps: int = Field(120, gt=0, description="optimizer steps; the loader cycles epochs as needed")
+    max_epochs: int | None = Field(None, gt=0, description="stop earlier after this many epochs")
     checkpoint_every_steps: int = Field(50, gt=0)
     num_workers: int = Field(2, gt=0, description="Ray Train workers")
     cpus_per_worker: int = Field(1, gt=0)
+    loader_workers: int = Field(1, gt=0, description="row-group decode threads per Ray worker (order is unchanged)")
+    shuffle_buffer_row_groups: int = Field(4, gt=0, description="row groups held in memory for the final seeded shuffle")
     use_gpu: bool = Field(False)
     peak_flops_preset: Literal["auto", "cpu", "a100", "h100", "h200"] = Field(
         "auto", description="peak FLOP/s for the logged MFU: 'auto' reads the GPU's name; CPU runs log achieved "
@@ -63,7 +75,10 @@ class TrainingRunConfig(dg.Config):
 
     def training_config(self):
         values = self.model_dump()
-        lora = {"r": values.pop("lora_r"), "alpha": values.pop("lora_alpha"),
+        targets = values.pop("lora_target_modules")
+        lora = {"r": values.pop("lora_r"), "alpha": values.pop("lora_alpha"), "dropout": values.pop("lora_dropout"),
+                # PEFT's keyword is the string; a list naming it would be read as a module called "all-linear".
+                "target_modules": "all-linear" if targets == ["all-linear"] else targets,
                 "modules_to_save": values.pop("lora_modules_to_save") or None}
         return parse_training_config({**values, "lora": lora})
 

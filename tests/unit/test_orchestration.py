@@ -101,6 +101,30 @@ def test_the_kubernetes_location_refuses_a_run_config_that_leaves_data_or_model_
                                   "model: this code location does not retrain on the embedded demo defaults")
 
 
+def test_the_launchpad_reaches_every_training_setting_an_operator_tunes():
+    """Each launchpad field lands in the training config; its defaults are the training config's own
+    (the demo's modules_to_save aside), so the config digest of a default launch does not move."""
+    from assets.training_assets import TrainingRunConfig
+    from training_core.train.config import TrainingConfig
+
+    launchpad = set(TrainingRunConfig.model_fields)
+    not_launchable = set(TrainingConfig.model_fields) - launchpad
+    # lora: flattened into lora_* fields; the cache quota comes from the warmed cache it reads.
+    assert not_launchable == {"lora", "report_every_steps", "cache_size_limit_bytes"}
+    default = TrainingRunConfig().training_config()
+    assert default.model_dump(exclude={"lora"}) == TrainingConfig().model_dump(exclude={"lora"})
+    assert default.lora.model_dump(exclude={"modules_to_save"}) == TrainingConfig().lora.model_dump(
+        exclude={"modules_to_save"})
+    assert default.lora.target_modules == "all-linear"  # PEFT's keyword, not a module called "all-linear"
+    launched = TrainingRunConfig(lora_target_modules=["q_proj", "v_proj"], lora_dropout=0.1, lr_schedule="linear",
+                                 warmup_steps=0, weight_decay=0.01, gradient_clipping=0.5, max_epochs=3,
+                                 loader_workers=2, shuffle_buffer_row_groups=8).training_config()
+    assert (launched.lora.target_modules, launched.lora.dropout) == (["q_proj", "v_proj"], 0.1)
+    assert (launched.lr_schedule, launched.warmup_steps, launched.weight_decay, launched.gradient_clipping,
+            launched.max_epochs, launched.loader_workers, launched.shuffle_buffer_row_groups) == (
+        "linear", 0, 0.01, 0.5, 3, 2, 8)
+
+
 def test_training_is_limited_by_a_concurrency_pool():
     graph = defs.resolve_asset_graph()
     assert graph.get(dg.AssetKey("lora_adapter")).pools == {"training"}

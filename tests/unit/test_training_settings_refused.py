@@ -21,6 +21,8 @@ def test_modules_to_save_that_the_model_lacks_are_refused(demo_model):
         parse_training_config({"lora": {"modules_to_save": [""]}})
     with pytest.raises(ConfigError, match="target_modules must be 'all-linear' or a non-empty list"):
         parse_training_config({"lora": {"target_modules": "  "}})
+    with pytest.raises(ConfigError, match=r"target_modules \['all-linear', 'q_proj'\]: 'all-linear' stands alone"):
+        parse_training_config({"lora": {"target_modules": ["all-linear", "q_proj"]}})
 
 
 @pytest.mark.parametrize(("lora", "message"), [

@@ -37,6 +37,9 @@ class LoraSettings(BaseModel):
         if (not value or (isinstance(value, str) and not value.strip())
                 or (isinstance(value, list) and not all(name.strip() for name in value))):
             raise ValueError("target_modules must be 'all-linear' or a non-empty list of module names")
+        if isinstance(value, list) and "all-linear" in value:
+            raise ValueError(f"target_modules {value}: 'all-linear' stands alone, as the string 'all-linear' "
+                             "(in a list PEFT reads it as a module name)")
         return value
 
     @field_validator("modules_to_save")
