@@ -193,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
                     "Dagster's own CLI). Only runs whose launching process is certainly gone on this host are touched.")
     p_free.add_argument("--home", help="state directory (default $TESSERA_HOME or .tessera/)")
     p_free.set_defaults(handler=free_slots)
-    p_bench = sub.add_parser("bench", help="run a benchmark; writes bench/results/<name>.json and .png")
+    p_bench = sub.add_parser("bench", help="run a benchmark; writes bench/results/loader.json or training.json, and .png")
     p_bench.add_argument("which", choices=["loader", "train"])
-    p_bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p_bench.add_argument("--quick", action="store_true",
+                         help="smaller sizes, for a smoke run; results go to bench/results/quick/ (git-ignored)")
     p_bench.add_argument("--no-petastorm", action="store_true",
                          help="loader: skip the Petastorm baseline (its own venv is built on first use)")
     p_bench.set_defaults(handler=bench)

@@ -24,6 +24,7 @@ from training_core.data.cache_payload import (
     narrow_columns,
 )
 from training_core.data.cache_writer import CacheWriter
+from training_core.data.stats import StatsRecorder
 
 from .conftest import write_ids_dataset
 
@@ -306,6 +307,7 @@ def test_a_failed_batch_stores_nothing_leaves_no_files_and_is_counted(tmp_path, 
     monkeypatch.setattr(_ValueDisk, "_write", failing_write)
     assert cache.put_many([stored_entry(f"k{i}", entry(i)) for i in range(3)]) == [False, False, False]
     assert cache.counters.write_errors == 3 and len(cache) == 0, "the whole transaction rolled back"
+    assert StatsRecorder().snapshot(cache.counters).cache_write_errors == 3, "reader stats and MLflow show them"
     assert not list((tmp_path / "c").rglob("*.val")), "the file written before the failure was deleted"
     assert cache.put_many([stored_entry("k9", entry(9))]) == [True] and cache.get("k9", "k9") is not None
     cache.close()

@@ -27,6 +27,7 @@ class ReaderStats:
     cache_corruptions: int
     cache_rejected: int
     cache_dropped: int  # not stored because the background writer's queue was full
+    cache_write_errors: int  # not stored because the write failed (disk full, ...): read from Parquet again
     consumer_wait_s: float
     stall_fraction: float
 
@@ -82,6 +83,7 @@ class StatsRecorder:
                 cache_corruptions=get("corruptions"),
                 cache_rejected=get("rejected"),
                 cache_dropped=get("dropped"),
+                cache_write_errors=get("write_errors"),
                 consumer_wait_s=self.wait_s,
                 stall_fraction=self.wait_s / elapsed if elapsed > 0 else 0.0,
             )
