@@ -11,6 +11,7 @@ from pipelines.resources_local import local_resources
 # process-per-step executor made each step re-import torch, transformers and Ray first (~13 s per
 # step on two cores); training already runs in Ray's own worker processes.
 defs = dg.Definitions(
-    assets=ASSETS, jobs=JOBS, schedules=[daily_retrain(embedded_defaults_allowed=True)], resources=local_resources(),
+    assets=ASSETS, jobs=JOBS, schedules=[daily_retrain(embedded_defaults_allowed=True)],
+    resources=local_resources(storage_set_at_launch=True),
     executor=dg.in_process_executor,
 )

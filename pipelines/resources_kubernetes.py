@@ -24,11 +24,14 @@ def step_values_dir(storage: TesseraStorage) -> str:
 
 
 def kubernetes_resources() -> dict:
-    storage = TesseraStorage(ray_storage_uri=dg.EnvVar("TESSERA_RAY_STORAGE"))
+    # Bound for configuration at launch, so a run config's `storage` settings reach the cache and
+    # MLflow resources too (a configured instance would stay behind inside them).
+    storage = TesseraStorage.configure_at_launch(ray_storage_uri=dg.EnvVar("TESSERA_RAY_STORAGE"))
     return {
         "storage": storage,
-        # values between steps, written atomically, where the next step's pod can read them
-        "io_manager": AtomicFilesystemIOManager(base_dir=step_values_dir(storage)),
+        # values between steps, written atomically, where the next step's pod can read them: Dagster's
+        # part of the state, which stays with the code location's TESSERA_HOME whatever a run sets
+        "io_manager": AtomicFilesystemIOManager(base_dir=step_values_dir(TesseraStorage())),
         "ray_cluster": kuberay_cluster_from_manifest(),
         "mlflow_tracker": MlflowTracker(storage=storage, tracking_uri=dg.EnvVar("MLFLOW_TRACKING_URI")),
         "cache": RowGroupCache(storage=storage),

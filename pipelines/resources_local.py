@@ -12,8 +12,12 @@ RAY_ADDRESS_ENV = "TESSERA_RAY_ADDRESS"
 LAZY = Lifecycle(connect=False)
 
 
-def local_resources() -> dict:
-    storage = TesseraStorage()
+def local_resources(storage_set_at_launch: bool = False) -> dict:
+    """The code location's resources. With ``storage_set_at_launch`` (the definitions) the state
+    folder is bound for configuration at launch, so a run config's ``storage`` settings reach the
+    cache and MLflow resources too (a configured instance would stay behind inside them); without it
+    (`tessera reproduce`, tests) every resource is ready to use from Python."""
+    storage = TesseraStorage.configure_at_launch() if storage_set_at_launch else TesseraStorage()
     address = os.environ.get(RAY_ADDRESS_ENV)
     return {
         "storage": storage,

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from pipelines.definitions import defs
+from resources import MlflowTracker, RowGroupCache, TesseraStorage
 from training_core.errors import ConfigError
 
 
@@ -123,6 +124,29 @@ def test_the_launchpad_reaches_every_training_setting_an_operator_tunes():
     assert (launched.lr_schedule, launched.warmup_steps, launched.weight_decay, launched.gradient_clipping,
             launched.max_epochs, launched.loader_workers, launched.shuffle_buffer_row_groups) == (
         "linear", 0, 0.01, 0.5, 3, 2, 8)
+
+
+@pytest.mark.parametrize("location", ["local", "kubernetes"])
+def test_a_run_config_that_sets_the_state_folder_reaches_every_resource_that_writes_state(
+        tmp_path, monkeypatch, location):
+    """Cache and MLflow hold the storage resource inside them; a run config's storage.home must move
+    their folders too, not only the datasets' (Dagster's own run history stays with DAGSTER_HOME)."""
+    from pipelines.resources_kubernetes import kubernetes_resources
+    from pipelines.resources_local import local_resources
+
+    monkeypatch.setenv("TESSERA_RAY_STORAGE", str(tmp_path / "ray"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
+    resources = (local_resources(storage_set_at_launch=True) if location == "local" else kubernetes_resources())
+    seen = {}
+
+    @dg.asset
+    def writes_state(storage: TesseraStorage, cache: RowGroupCache, mlflow_tracker: MlflowTracker) -> None:
+        seen.update(datasets=storage.root, cache=cache.storage.root, mlflow=mlflow_tracker.storage.root)
+
+    other = tmp_path / "other-home"
+    result = dg.materialize([writes_state], resources={k: resources[k] for k in ("storage", "cache", "mlflow_tracker")},
+                            run_config={"resources": {"storage": {"config": {"home": str(other)}}}})
+    assert result.success and seen == {"datasets": other, "cache": other, "mlflow": other}
 
 
 def test_training_is_limited_by_a_concurrency_pool():
