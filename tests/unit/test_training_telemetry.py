@@ -163,18 +163,39 @@ def _tiny_llama(head_dim: int | None):
         **({"head_dim": head_dim} if head_dim else {})))
 
 
-@pytest.mark.parametrize("head_dim", [None, 32], ids=["head_dim=hidden/heads", "heads×head_dim≠hidden"])
-@pytest.mark.parametrize("method", [
-    {"method": "full"},
-    {"method": "lora", "lora": {"r": 8}},
-    {"method": "lora", "lora": {"r": 8, "modules_to_save": ["embed_tokens", "lm_head"]}},
-], ids=["full", "lora", "lora+modules_to_save"])
-def test_model_flops_per_token_match_what_torch_counts_for_a_training_step(method, head_dim):
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=128,
+                                      attn_implementation="eager"))
+
+
+TINY_MODELS = {
+    "llama head_dim=hidden/heads": lambda: _tiny_llama(None),
+    "llama heads×head_dim≠hidden": lambda: _tiny_llama(32),
+    "gpt2 Conv1D": _tiny_gpt2,  # its linear layers are transformers' Conv1D, not torch.nn.Linear
+}
+METHODS = {
+    "full": {"method": "full"},
+    "lora": {"method": "lora", "lora": {"r": 8}},
+    "lora+modules_to_save": {"method": "lora", "lora": {"r": 8, "modules_to_save": ["embed_tokens", "lm_head"]}},
+}
+
+
+@pytest.mark.parametrize(("method", "architecture"), [
+    pytest.param(METHODS[method], architecture, id=f"{method}-{architecture}")
+    for method in METHODS for architecture in TINY_MODELS
+    # GPT-2 ties lm_head to its embeddings, and names them otherwise: no separate copies to count.
+    if not (method == "lora+modules_to_save" and architecture.startswith("gpt2"))
+])
+def test_model_flops_per_token_match_what_torch_counts_for_a_training_step(method, architecture):
     # MFU is achieved / peak FLOPs: an overcount (embeddings, the frozen originals PEFT keeps beside
-    # modules_to_save copies, attention width taken as hidden_size) inflates it.
+    # modules_to_save copies, attention width taken as hidden_size) inflates it; an undercount
+    # (linear layers of another class) deflates it.
     from torch.utils.flop_counter import FlopCounterMode
 
-    model = apply_method(_tiny_llama(head_dim), TrainingConfig(**method))
+    model = apply_method(TINY_MODELS[architecture](), TrainingConfig(**method))
     seq_len, batch = 64, 2
     estimate = model_flops_per_token(*count_matmul_weights(model), *attention_shape(model.config), seq_len)
     ids = torch.randint(0, 500, (batch, seq_len))

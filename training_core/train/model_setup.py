@@ -183,12 +183,19 @@ def count_parameters(model) -> tuple[int, int]:
 
 def count_matmul_weights(model) -> tuple[int, int]:
     """(frozen, trainable) weights of the linear layers that run in a forward pass, from their shapes
-    (right under ZeRO-3 partitioning and 4-bit packing), for the FLOPs of :func:`model_flops_per_token`."""
+    (right under ZeRO-3 partitioning and 4-bit packing), for the FLOPs of :func:`model_flops_per_token`.
+    Linear layers are ``torch.nn.Linear`` and transformers' ``Conv1D`` (GPT-2 family: a linear layer
+    with its weight stored as (in, out))."""
     frozen = trainable = 0
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or _is_unused_copy(name):
+        if _is_unused_copy(name):
             continue
-        weights = module.in_features * module.out_features
+        if isinstance(module, torch.nn.Linear):
+            weights = module.in_features * module.out_features
+        elif isinstance(module, Conv1D):
+            weights = module.nx * module.nf
+        else:
+            continue
         if module.weight.requires_grad:
             trainable += weights
         else:
