@@ -85,9 +85,9 @@ def test_ragged_rows_stop_training_naming_the_column(tmp_path):
 
 @pytest.mark.parametrize(("max_epochs", "accumulation", "refused"), [
     (None, 64, False),  # max_steps alone: the loader cycles epochs
-    (1, 3, False),      # 10 rows / 4 per micro batch: at most 3 micro batches per epoch
-    (1, 4, True),
-    (2, 6, False),
+    (1, 2, False),      # 10 rows / 4 per micro batch: 2 micro batches per epoch (the partial third is dropped)
+    (1, 3, True),
+    (2, 4, False),
 ])
 def test_epochs_too_short_for_one_optimizer_step_are_refused_before_training(max_epochs, accumulation, refused):
     from training_core.errors import ConfigError
@@ -97,8 +97,8 @@ def test_epochs_too_short_for_one_optimizer_step_are_refused_before_training(max
     if not refused:
         check_epochs_hold_an_optimizer_step(config, rows=10)
         return
-    with pytest.raises(ConfigError, match=r"max_epochs=1 over 10 training rows gives a worker at most 3 micro batches "
-                                          r"of 4 rows, fewer than gradient_accumulation_steps=4"):
+    with pytest.raises(ConfigError, match=r"max_epochs=1 over 10 training rows gives a worker at most 2 micro batches "
+                                          r"of 4 rows, fewer than gradient_accumulation_steps=3"):
         check_epochs_hold_an_optimizer_step(config, rows=10)
 
 

@@ -5,7 +5,6 @@ Ray must already be initialised (the Dagster Ray resource does it; so does the C
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import time
@@ -58,10 +57,11 @@ def warn_about_schedule(config: TrainingConfig) -> None:
 
 def check_epochs_hold_an_optimizer_step(config: TrainingConfig, rows: int) -> None:
     """With max_epochs, refuse a run certain to end before its first optimizer step: even a worker
-    given every row sees at most ceil(rows / micro_batch_size) micro batches per epoch."""
+    given every row sees at most floor(rows / micro_batch_size) micro batches per epoch (the reader
+    drops the last, partial one)."""
     if config.max_epochs is None:
         return
-    most_micro_batches = math.ceil(rows / config.micro_batch_size) * config.max_epochs
+    most_micro_batches = rows // config.micro_batch_size * config.max_epochs
     if most_micro_batches < config.gradient_accumulation_steps:
         raise ConfigError(
             f"max_epochs={config.max_epochs} over {rows} training rows gives a worker at most {most_micro_batches} "
