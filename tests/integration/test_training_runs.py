@@ -249,6 +249,18 @@ def test_a_finished_run_keeps_no_engine_state_and_relaunches_from_its_final_chec
     assert all(_weights(again)[key].equal(weights[key]) for key in weights)
 
 
+def test_relaunching_a_run_with_another_config_is_refused_before_any_worker_starts(train):
+    from training_core.errors import ConfigError
+
+    result = train("lora-2w", _config())
+    final = max(_checkpoints_by_step(train.storage / result.run_name).items())[1]
+    assert load_progress(final).config_digest == _config().digest()  # recorded by the workers
+    # Without the check: the 30-step model came back as this config's, trained with another rate.
+    with pytest.raises(ConfigError, match=r"holds a finished run .* started with other settings: learning_rate: "
+                                          r"0\.003 → 0\.001; max_steps: 30 → 40\. Use another run_name"):
+        train("lora-2w-other-config", _config(max_steps=40, learning_rate=1e-3), run_name="lora-2w")
+
+
 def test_relaunching_a_finished_run_reports_the_same_model_without_training(train):
     # ZeRO-3: every rank must take the same path at the end, or the gather for saving would hang.
     first = train("first-step-zero3", _config(**ZERO3_SHORT))

@@ -17,11 +17,14 @@ from training_core.train.checkpointing import (
     MODEL_DIR,
     TrainingProgress,
     find_latest_checkpoint,
+    load_progress,
+    record_run_settings,
     restore_checkpoint,
     save_checkpoint,
     seal_checkpoint,
     verify_checkpoint_files,
 )
+from training_core.train.config import LoraSettings, TrainingConfig
 
 
 class RecordingEngine:
@@ -67,9 +70,12 @@ def test_periodic_checkpoint_restores_the_engine_and_this_ranks_rng(tmp_path):
     assert random.random() == expected
 
 
-def _checkpoint(run_directory, name: str, step: int, world_size: int, *, model: bool = False):
+def _checkpoint(run_directory, name: str, step: int, world_size: int, *, model: bool = False,
+                settings: tuple | None = None):
     """A checkpoint folder as Ray merges it: every rank's files, each rank's manifest last. A
-    final one (``model``) holds the model and no engine state, as the training loop writes it."""
+    final one (``model``) holds the model and no engine state, as the training loop writes it.
+    ``settings``: (config, base model, training folders) the run was started with, or None for a
+    checkpoint written before they were recorded."""
     folder = run_directory / name
     for rank in range(world_size):
         folder.mkdir(parents=True, exist_ok=True)
@@ -77,6 +83,8 @@ def _checkpoint(run_directory, name: str, step: int, world_size: int, *, model: 
             (folder / ENGINE_DIR).mkdir(exist_ok=True)
             (folder / ENGINE_DIR / f"shard-{rank}.pt").write_bytes(bytes(range(256)) * (rank + 1))
         progress = TrainingProgress(step=step, world_size=world_size, finished=model)
+        if settings is not None:
+            record_run_settings(progress, *settings)
         save_checkpoint(folder, RecordingEngine(), rank, progress, LOADER_STATE, engine_state=False)
         if model and rank == 0:
             (folder / MODEL_DIR).mkdir()
@@ -218,6 +226,18 @@ def test_engine_state_is_kept_when_the_model_is_not_published(tmp_path):
     assert find_latest_checkpoint(run) == periodic  # a relaunch resumes from it
 
 
+def test_a_periodic_checkpoint_at_the_final_step_loses_its_engine_state_too(tmp_path):
+    from training_core.train.checkpointing import drop_engine_state_of_earlier_checkpoints
+
+    # max_epochs ended the run right after the periodic checkpoint of step 20: the final one shares its step.
+    run = tmp_path / "ray" / "train-run"
+    periodic = _checkpoint(run, "checkpoint_000001", step=20, world_size=1)
+    final = _checkpoint(run, "checkpoint_000002", step=20, world_size=1, model=True)
+    assert drop_engine_state_of_earlier_checkpoints(run, final) == [periodic]
+    assert not (periodic / ENGINE_DIR).exists() and verify_checkpoint_files(periodic) == []
+    assert find_latest_checkpoint(run) == final
+
+
 @pytest.mark.parametrize("final_is", ["unfinished", "in_another_folder"])
 def test_engine_state_is_dropped_only_next_to_a_finished_checkpoint(tmp_path, final_is):
     from training_core.train.checkpointing import drop_engine_state_of_earlier_checkpoints
@@ -286,3 +306,54 @@ def test_the_world_size_check_reads_the_checkpoint_ray_hands_the_workers(tmp_pat
     assert find_latest_checkpoint(run) == final and checkpoint_a_relaunch_resumes_from(run) == periodic
     with pytest.raises(ConfigError, match=r"checkpoint checkpoint_000002, step 20\) trained by 1 worker"):
         check_relaunch_world_size(TrainingConfig(num_workers=2), run)
+
+
+STARTED_WITH = TrainingConfig(num_workers=1, max_steps=4, learning_rate=5e-2)
+
+
+@pytest.mark.parametrize("finished", [False, True], ids=["unfinished", "finished"])
+@pytest.mark.parametrize(("relaunch", "changes"), [
+    ({"config": STARTED_WITH.model_copy(update={"max_steps": 8, "learning_rate": 1e-3})},
+     r"learning_rate: 0\.05 → 0\.001; max_steps: 4 → 8"),
+    ({"config": STARTED_WITH.model_copy(update={"lora": LoraSettings(r=8, target_modules=["q_proj"])})},
+     r"lora\.r: 16 → 8; lora\.target_modules: 'all-linear' → \['q_proj'\]"),
+    ({"config": STARTED_WITH.model_copy(update={"method": "full"})}, r"method: 'lora' → 'full'"),
+    ({"base_model": "/models/other"}, r"base model: /models/base → /models/other"),
+    ({"train_dirs": ["/data/day-1/train", "/data/day-2/train"]},
+     r"training data: /data/day-1/train → /data/day-1/train, /data/day-2/train"),
+], ids=["schedule", "lora", "method", "base_model", "data"])
+def test_a_relaunch_with_other_settings_is_refused_before_any_worker_starts(tmp_path, finished, relaunch, changes):
+    from training_core.errors import ConfigError
+    from training_core.train.launcher import check_relaunch_settings
+
+    run = tmp_path / "ray" / "train-run"
+    started = (STARTED_WITH, "/models/base", ["/data/day-1/train"])
+    _checkpoint(run, "checkpoint_000001", step=2, world_size=1, settings=started)
+    if finished:
+        _checkpoint(run, "checkpoint_000002", step=4, world_size=1, model=True, settings=started)
+    wanted = {"config": STARTED_WITH, "base_model": "/models/base", "train_dirs": ["/data/day-1/train"], **relaunch}
+    state, step = ("a finished run", 4) if finished else ("an unfinished run", 2)
+    with pytest.raises(ConfigError, match=rf"^run folder {re.escape(str(run))} holds {state} \(checkpoint "
+                       rf"checkpoint_00000{step // 2}, step {step}\) started with other settings: {changes}\. Use "
+                       rf"another run_name, or remove {re.escape(str(run))} to start afresh$"):
+        check_relaunch_settings(wanted["config"], run, wanted["base_model"], wanted["train_dirs"])
+
+
+def test_a_relaunch_may_change_how_the_run_executes_and_old_checkpoints_are_accepted(tmp_path):
+    from training_core.train.launcher import check_relaunch_settings
+
+    run = tmp_path / "ray" / "train-run"
+    _checkpoint(run, "checkpoint_000001", step=2, world_size=1,
+                settings=(STARTED_WITH, "/models/base", ["/data/day-1/train"]))
+    check_relaunch_settings(STARTED_WITH, run, "/models/base", ["/data/day-1/train"])
+    # Settings of where and how fast it runs, not of what it trains (the world size has its own check).
+    elsewhere = STARTED_WITH.model_copy(update={"num_workers": 2, "loader_workers": 3, "cpus_per_worker": 2,
+                                                "cache_size_limit_bytes": 1 << 20})
+    check_relaunch_settings(elsewhere, run, "/models/base", ["/data/day-1/train"])
+    check_relaunch_settings(TrainingConfig(learning_rate=1.0), tmp_path / "ray" / "new-run", "/m", ["/d"])
+
+    # Written before the settings were recorded: nothing to compare, so it resumes as it always did.
+    old = tmp_path / "ray" / "old-run"
+    _checkpoint(old, "checkpoint_000001", step=2, world_size=1)
+    assert load_progress(old / "checkpoint_000001").config_digest is None
+    check_relaunch_settings(TrainingConfig(learning_rate=1.0), old, "/models/other", ["/data/other"])

@@ -32,6 +32,9 @@ import numpy as np
 import torch
 import xxhash
 
+from training_core.errors import ConfigError
+from training_core.train.config import TrainingConfig
+
 log = logging.getLogger(__name__)
 
 ENGINE_TAG = "engine"
@@ -50,6 +53,76 @@ class TrainingProgress:
     telemetry: dict = field(default_factory=dict)
     finished: bool = False
     world_size: int = 1
+    # What the run trains, recorded when it starts (`record_run_settings`), so that a relaunch under
+    # the same run name with other settings is refused (`settings_changed_since`) instead of resuming
+    # or reporting this run; the digest is the lineage's config_digest. None in checkpoints written
+    # before they were recorded.
+    config_digest: str | None = None
+    config: dict | None = None
+    base_model: str | None = None
+    train_dirs: list[str] | None = None
+
+
+# Settings that change how or where a run executes, not what it trains: a relaunch may change them.
+# The world size is checked on its own: only ZeRO's partitioned engine state ties a run to it.
+SETTINGS_A_RELAUNCH_MAY_CHANGE = frozenset({
+    "num_workers", "cpus_per_worker", "loader_workers", "cache_size_limit_bytes", "peak_flops_preset",
+    "report_every_steps",
+})
+
+
+def record_run_settings(progress: TrainingProgress, config: TrainingConfig, base_model: str,
+                        train_dirs: list[str]) -> None:
+    progress.config_digest = config.digest()
+    progress.config = config.model_dump(mode="json")
+    progress.base_model = base_model
+    progress.train_dirs = list(train_dirs)
+
+
+def settings_changed_since(progress: TrainingProgress, config: TrainingConfig, base_model: str,
+                           train_dirs: list[str]) -> list[str]:
+    """How a relaunch's settings differ from those the checkpoint's run was started with
+    ("learning_rate: 0.05 → 0.001", "base model: a → b"), [] when they do not. A checkpoint written
+    before the settings were recorded carries none: it is accepted, as such relaunches always were."""
+    changes = []
+    if progress.config is not None and progress.config_digest != config.digest():
+        recorded, wanted = _flat_settings(progress.config), _flat_settings(config.model_dump(mode="json"))
+        for name in sorted(recorded.keys() | wanted.keys()):
+            if name.split(".")[0] not in SETTINGS_A_RELAUNCH_MAY_CHANGE and recorded.get(name) != wanted.get(name):
+                changes.append(f"{name}: {recorded.get(name, '(unset)')!r} → {wanted.get(name, '(unset)')!r}")
+    if progress.base_model is not None and progress.base_model != base_model:
+        changes.append(f"base model: {progress.base_model} → {base_model}")
+    if progress.train_dirs is not None and progress.train_dirs != list(train_dirs):
+        changes.append(f"training data: {', '.join(progress.train_dirs)} → {', '.join(train_dirs)}")
+    return changes
+
+
+def refuse_changed_settings(run_directory: str | Path, checkpoint_name: str, progress: TrainingProgress,
+                            config: TrainingConfig, base_model: str, train_dirs: list[str]) -> None:
+    """Raise a ConfigError when a relaunch would resume or report a run started with other settings
+    (`settings_changed_since`)."""
+    if changes := settings_changed_since(progress, config, base_model, train_dirs):
+        state = "a finished run" if progress.finished else "an unfinished run"
+        raise ConfigError(
+            f"run folder {run_directory} holds {state} (checkpoint {checkpoint_name}, step {progress.step}) started "
+            f"with other settings: {'; '.join(changes)}. Use another run_name, or remove {run_directory} to start "
+            "afresh")
+
+
+def _flat_settings(values: dict) -> dict:
+    """A config as TrainingConfig reads it (defaults filled in for fields added since), nested
+    settings named with dots ("lora.r")."""
+    try:
+        values = TrainingConfig.model_validate(values).model_dump(mode="json")
+    except ValueError:
+        pass  # a field since removed or restricted: compared as recorded
+    flat = {}
+    for name, value in values.items():
+        if isinstance(value, dict):
+            flat.update({f"{name}.{inner}": inner_value for inner, inner_value in value.items()})
+        else:
+            flat[name] = value
+    return flat
 
 
 def rng_states() -> dict:
@@ -184,9 +257,9 @@ def drop_engine_state_of_earlier_checkpoints(run_directory: Path, final_checkpoi
     checkpoint's model again), but until the model is published a relaunch may still need it.
     Only this run's own checkpoint folders are touched: ``checkpoint_*`` folders directly in
     `run_directory` (which must hold `final_checkpoint`) whose progress.json reads as an unfinished
-    run at an earlier step. Each rank's manifest is then rewritten without the removed files, so
-    the folder still verifies and Ray's checkpoint list naming it is not set aside on a relaunch;
-    `find_latest_checkpoint` never resumes from it. A failure to delete is logged, not raised: the
+    run at the final step or an earlier one. Each rank's manifest is then rewritten without the
+    removed files, so the folder still verifies and Ray's checkpoint list naming it is not set aside
+    on a relaunch; `find_latest_checkpoint` never resumes from it. A failure to delete is logged, not raised: the
     model is already published."""
     try:
         same_run = run_directory.is_dir() and final_checkpoint.resolve().parent == run_directory.resolve()
@@ -207,7 +280,9 @@ def drop_engine_state_of_earlier_checkpoints(run_directory: Path, final_checkpoi
             progress = load_progress(candidate)
         except (OSError, ValueError, TypeError, KeyError):
             continue  # not a checkpoint we can tell is ours: left alone
-        if progress.finished or progress.step >= final.step:
+        # At the final step too: when max_epochs ends the run on a checkpoint step, the periodic
+        # checkpoint and the final one share it.
+        if progress.finished or progress.step > final.step:
             continue
         try:
             # Files first, manifests after: a kill in between leaves a folder whose manifests name

@@ -19,6 +19,7 @@ from training_core.train.checkpointing import (
     checkpoint_a_relaunch_resumes_from,
     drop_engine_state_of_earlier_checkpoints,
     load_progress,
+    refuse_changed_settings,
     set_aside_unusable_ray_snapshot,
     verify_checkpoint_files,
 )
@@ -69,6 +70,22 @@ def check_epochs_hold_an_optimizer_step(config: TrainingConfig, rows: int) -> No
             f"{config.gradient_accumulation_steps}: not one optimizer step would run; raise max_epochs or lower "
             "gradient_accumulation_steps"
         )
+
+
+def check_relaunch_settings(config: TrainingConfig, run_directory: Path, model_path: str,
+                            train_dirs: list[str]) -> None:
+    """Refuse a relaunch under the run name of a run started with other settings: its workers
+    would report a finished run's model as this config's, resume an unfinished one with some
+    settings restored from the engine state (DeepSpeed restores the learning rate), or fail in
+    DeepSpeed on a state laid out for another model (LoRA rank, target modules, method)."""
+    checkpoint = checkpoint_a_relaunch_resumes_from(run_directory)
+    if checkpoint is None:
+        return
+    try:
+        progress = load_progress(checkpoint)
+    except (OSError, ValueError, TypeError, KeyError):
+        return  # the workers report an unreadable checkpoint by name
+    refuse_changed_settings(run_directory, checkpoint.name, progress, config, model_path, train_dirs)
 
 
 def check_relaunch_world_size(config: TrainingConfig, run_directory: Path) -> None:
@@ -137,7 +154,9 @@ def run_training(
     )
     use_quick_health_checks()
     set_aside_unusable_ray_snapshot(storage_path / run_name, ray.__version__)
-    check_relaunch_world_size(config, storage_path / run_name)  # after: it reads the list Ray will use
+    # After: both read the list Ray will use.
+    check_relaunch_settings(config, storage_path / run_name, model_path, train_dirs)
+    check_relaunch_world_size(config, storage_path / run_name)
     trainer = torch_trainer_class()(
         train_loop_per_worker,
         train_loop_config=inputs.as_dict(),

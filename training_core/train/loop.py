@@ -28,6 +28,9 @@ from training_core.train.checkpointing import (
     MODEL_DIR,
     TrainingProgress,
     find_latest_checkpoint,
+    load_progress,
+    record_run_settings,
+    refuse_changed_settings,
     restore_checkpoint,
     save_checkpoint,
     seal_checkpoint,
@@ -151,10 +154,14 @@ def _run_recipe(inputs: WorkerInputs) -> None:
     startup.mark("deepspeed_initialize")
 
     # Resume or start fresh.
-    progress, loader_state, resumed_from = _resume(engine, rank, inputs)
+    progress, loader_state, resumed_from = _resume(engine, rank, inputs, config)
     if loader_state is None:
         torch.manual_seed(config.seed + rank)
     progress.world_size = world_size
+    # A fresh start, or an unfinished run from before settings were recorded (it trains on with these);
+    # such a finished run was trained with settings nobody knows: it stays without a record.
+    if progress.config_digest is None and not progress.finished:
+        record_run_settings(progress, config, inputs.model_path, inputs.train_dirs)
 
     batches = EpochBatches(inputs, config, rank, world_size, progress.epoch, loader_state)
     startup.mark("resume_and_loader")
@@ -279,7 +286,7 @@ def _checkpoint_directory(checkpoint: Checkpoint | Path) -> Iterator[Path]:
 
 
 def _resume(
-    engine, rank: int, inputs: WorkerInputs
+    engine, rank: int, inputs: WorkerInputs, config: TrainingConfig
 ) -> tuple[TrainingProgress, dict | None, Checkpoint | Path | None]:
     """Restore from the latest checkpoint, if any. Returns (progress, loader_state, the checkpoint
     resumed from or None); a finished run's model is later copied from that checkpoint."""
@@ -287,6 +294,9 @@ def _resume(
     if checkpoint is None:
         return TrainingProgress(), None, None
     with _checkpoint_directory(checkpoint) as directory:
+        # The driver checked the checkpoint it expected Ray to hand over; this is the one it did.
+        refuse_changed_settings(inputs.run_directory or directory.parent, directory.name, load_progress(directory),
+                                config, inputs.model_path, inputs.train_dirs)
         progress, loader_state = restore_checkpoint(directory, engine, rank)
     if not progress.finished:  # relaunching a finished run is a no-op, not a restart
         progress.restarts += 1
