@@ -11,7 +11,8 @@ from training_core.data.demo_task import tokenizer_corpus
 
 class BaseModelConfig(dg.Config):
     name_or_path: str = Field(
-        "demo", description="'demo' builds a tiny Llama + tokenizer; else a save_pretrained folder or hub id"
+        "demo", description="'demo' builds a tiny Llama + tokenizer; else a save_pretrained folder, or a hub id "
+                            "(org/name or org/name@revision), pinned to the commit it resolves to"
     )
     demo_hidden_size: int = Field(128, gt=0, description="demo only: a multiple of its 4 attention heads")
     demo_layers: int = Field(2, gt=0)

@@ -142,7 +142,7 @@ def reproduce(args: argparse.Namespace) -> int:
     try:
         from pipelines.reproduce import reproduce_run
 
-        return reproduce_run(args.run_id, console)
+        return reproduce_run(args.run_id, console, args.tracking_uri)
     except (TesseraError, ValidationError):
         raise  # main prints these as one line, exit 2
     except Exception as error:  # noqa: BLE001 - exit 1 means "metrics differ": a crash must never read as that
@@ -182,9 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         description="Rebuild a training run's inputs from its MLflow lineage, verify their digests, train again "
                     "with the recorded config and seeds, and print recorded vs reproduced metrics. Exit status: "
                     "0 all metrics equal, 1 some differ, 2 cannot reproduce (the reason is printed). Trains on "
-                    "$TESSERA_RAY_ADDRESS when set, else on in-process Ray.")
+                    "$TESSERA_RAY_ADDRESS when set, else on in-process Ray. Reads the run from --tracking-uri, else "
+                    "$MLFLOW_TRACKING_URI, else the state folder's mlflow.db.")
     p_repro.add_argument("run_id", help="MLflow run id of the training run (the lora_adapter asset's mlflow_run)")
     p_repro.add_argument("--home", help="state directory that recorded the run (default $TESSERA_HOME or .tessera/)")
+    p_repro.add_argument("--tracking-uri", help="MLflow tracking URI that recorded the run, e.g. a tracking server "
+                         "(default $MLFLOW_TRACKING_URI, else sqlite:///<home>/mlflow.db)")
     p_repro.set_defaults(handler=reproduce)
     p_free = sub.add_parser(
         "free-slots", help="fail runs whose process was killed, freeing their training pool slots",

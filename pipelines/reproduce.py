@@ -1,5 +1,6 @@
 """`tessera reproduce RUN_ID`: rerun a recorded training run and print a side-by-side diff."""
 
+import dataclasses
 import os
 import shutil
 import uuid
@@ -10,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from pipelines.resources_local import RAY_ADDRESS_ENV, local_resources
-from resources import ExternalRayCluster
+from resources import ExternalRayCluster, MlflowTracker
 from resources.ray_cluster import (
     RayClusterUnreachable,
     alive_node_resources,
@@ -24,14 +25,22 @@ from training_core.reproduce import compare_runs, lineage_drift, load_recorded_r
 from training_core.runs import run_tracked_training
 
 
-def reproduce_run(run_id: str, console: Console) -> int:
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+
+
+def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None) -> int:
+    """``tracking_uri``: the MLflow store that recorded the run (a tracking server, as the Kubernetes
+    deployment's); default $MLFLOW_TRACKING_URI, else the state folder's mlflow.db."""
     # The code location's own wiring: the same state folder, MLflow store and Ray address.
     resources = local_resources()
     storage, tracker, cache = resources["storage"], resources["mlflow_tracker"], resources["cache"]
+    if tracking_uri := tracking_uri or os.environ.get(TRACKING_URI_ENV):
+        tracker = MlflowTracker(storage=storage, tracking_uri=tracking_uri)
     store = storage.root / "mlflow.db"
     if tracker.tracking_uri is None and not store.is_file():  # MLflow would create an empty one
         console.print(f"[red]cannot reproduce:[/] no MLflow store at {escape(str(store))}; pass --home "
-                      f"(or TESSERA_HOME) of the state folder that recorded run {escape(run_id)}")
+                      f"(or TESSERA_HOME) of the state folder that recorded run {escape(run_id)}, or --tracking-uri "
+                      f"(or {TRACKING_URI_ENV}) of the MLflow server that tracked it")
         return 2
     try:
         tracking = tracker.client()
@@ -48,7 +57,7 @@ def reproduce_run(run_id: str, console: Console) -> int:
     except LineageError as error:
         console.print(f"[red]cannot reproduce:[/] {escape(str(error))}")  # paths and JSON may hold "[...]"
         return 2
-    print_drift(console, run_id, lineage_drift(recorded.params))
+    print_drift(console, run_id, lineage_drift(recorded.params) + recorded.config_drift)
     try:
         _connect_to_ray(os.environ.get(RAY_ADDRESS_ENV))
     except RayClusterUnreachable as error:
@@ -64,8 +73,11 @@ def reproduce_run(run_id: str, console: Console) -> int:
     if shortfall := recorded.config.capacity_shortfall(alive_node_resources()):  # Ray Train would wait for ever
         console.print(f"[red]cannot reproduce:[/] {escape(shortfall)}")
         return 2
+    # Read under the quota and policy the cache resource warmed it with, as lora_adapter does.
+    inputs = dataclasses.replace(recorded.inputs, cache_size_limit_bytes=cache.size_limit_bytes,
+                                 cache_policy=cache.policy)
     tracked = run_tracked_training(
-        recorded.config, recorded.inputs, tracking, ray_storage=storage.ray_storage,
+        recorded.config, inputs, tracking, ray_storage=storage.ray_storage,
         models_dir=storage.folder("models") / "trained", extra_tags={"reproduces": run_id},
         run_name_suffix=f"reproduce-{uuid.uuid4().hex[:8]}", reuse_finished=False,
         base_digest_records=storage.base_model_digests,
@@ -106,11 +118,12 @@ def _connect_to_ray(address: str | None) -> None:
 
 
 def print_drift(console: Console, run_id: str, drift: list[tuple[str, str, str]]) -> None:
-    """Code and package versions that changed since the run: a warning (metrics may then differ)."""
+    """Code and package versions that changed since the run, and config fields it did not record
+    (filled from today's defaults): a warning (metrics may then differ)."""
     if not drift:
         return
-    console.print(f"[yellow]note:[/] run {run_id} was recorded with other versions than this environment; "
-                  f"metrics may differ:")
+    console.print(f"[yellow]note:[/] run {run_id} was recorded with other versions or settings than this "
+                  f"environment's; metrics may differ:")
     for key, recorded, now in drift:
         console.print(f"  {key}: {recorded} → {now}", markup=False, highlight=False)
 

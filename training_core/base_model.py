@@ -1,5 +1,7 @@
 """Base models: the demo's tiny Llama built from a config, or any Hugging Face model directory /
-hub id. Both end as a directory `from_pretrained` can load, identified by a content digest.
+hub id. Both end as a directory `from_pretrained` can load, identified by a content digest; a hub id
+becomes the local snapshot folder of one commit (`hub:<repo>@<commit sha>`), so training, evaluation
+and `tessera reproduce` load that revision even after the hub's branch moves on.
 
 torch, tokenizers and transformers are imported by the functions that use them: the Dagster code
 location imports this module for `BaseModelRef`, and importing transformers' Llama classes costs
@@ -57,6 +59,66 @@ class BaseModelRef:
     parameters: int
     vocab_size: int | None  # None: the config names none
     source: str  # "demo" or "pretrained"
+    revision: str | None = None  # a hub model's commit sha (name_or_path is its snapshot folder)
+
+
+HUB_DIGEST_PREFIX = "hub:"
+# What from_pretrained reads of a model repo: configs, safetensors weights and their index, tokenizer
+# files. Not the whole repo: many hold the same weights again as .bin, ONNX or GGUF.
+_HUB_MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+_HUB_BIN_WEIGHTS = ["pytorch_model*.bin"]  # older repos have no safetensors
+# huggingface_hub's own errors are OSErrors (not cached offline, unknown repo or revision, HTTP) or
+# ValueErrors (a malformed repo id); a connection failure outside snapshot_download is httpx2's.
+_HUB_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError)
+
+
+@dataclass(frozen=True)
+class HubRevision:
+    """A hub base model as its digest records it: ``hub:<repo id>@<commit sha>``."""
+
+    repo_id: str
+    commit: str | None  # None: recorded before Tessera pinned hub revisions (``@None``)
+
+    @classmethod
+    def from_digest(cls, digest: str) -> HubRevision | None:
+        """The hub model a base-model digest names, or None for a local folder's content digest."""
+        if not digest.startswith(HUB_DIGEST_PREFIX):
+            return None
+        repo_id, _, commit = digest.removeprefix(HUB_DIGEST_PREFIX).partition("@")
+        return cls(repo_id, commit if commit and commit != "None" else None)
+
+    @property
+    def digest(self) -> str:
+        return f"{HUB_DIGEST_PREFIX}{self.repo_id}@{self.commit}"
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The local snapshot folder of a hub model at ``revision`` (a branch, tag or commit sha; None: the
+    default branch), with what from_pretrained loads downloaded into the Hugging Face cache unless it is
+    there already. The folder is named by the commit sha. HF_HUB_OFFLINE=1 resolves from the cache only
+    (a branch as the cache last saw it). Raises OSError / ValueError when that revision cannot be had."""
+    from huggingface_hub import snapshot_download
+
+    folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_MODEL_FILES))
+    if not any(folder.glob("*.safetensors")):
+        snapshot_download(repo_id, revision=folder.name, allow_patterns=_HUB_BIN_WEIGHTS)
+    return folder
+
+
+def hub_branch_commit(repo_id: str, branch: str = "main") -> str | None:
+    """The commit a hub repo's branch points at now: asked of the hub unless HF_HUB_OFFLINE, else (or
+    when the hub does not answer) as the local cache last saw it; None when neither knows."""
+    import httpx2
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    if not constants.is_offline_mode():
+        try:
+            return HfApi().model_info(repo_id, revision=branch).sha
+        except (*_HUB_ERRORS, httpx2.HTTPError):
+            pass  # the cache's view below
+    ref = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model") / "refs" / branch
+    return ref.read_text().strip() if ref.is_file() else None
 
 
 def train_demo_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
@@ -111,7 +173,9 @@ def build_demo_model(corpus: list[str], spec: TinyLlamaSpec, output_root: Path) 
 def resolve_pretrained(name_or_path: str, digest_records: Path | None = None) -> BaseModelRef:
     """Validate a local model directory or hub id by loading its config and tokenizer. With
     ``digest_records``, a local folder's per-file digests are kept there (never in the user's folder),
-    so that a later change can be named file by file (:func:`base_model_changes`)."""
+    so that a later change can be named file by file (:func:`base_model_changes`). A hub id
+    (``org/name``, or ``org/name@revision`` to pin a branch, tag or commit) is resolved to the snapshot
+    folder of one commit (:func:`hub_snapshot`): the ref names that folder and records the commit."""
     from transformers import AutoConfig, AutoTokenizer
 
     name_or_path = os.path.expanduser(name_or_path)
@@ -127,23 +191,30 @@ def resolve_pretrained(name_or_path: str, digest_records: Path | None = None) ->
         raise ModelNotFoundError(
             f"base model {name_or_path}: no config.json there; expected a directory written by save_pretrained"
         )
+    where = "" if looks_local else f" (not a directory under {Path.cwd()}, so read as a Hugging Face Hub id)"
+    hub = None
+    if not looks_local:
+        repo_id, _, revision = name_or_path.partition("@")
+        try:
+            path = hub_snapshot(repo_id, revision or None)
+        except _HUB_ERRORS as error:
+            raise ModelNotFoundError(f"base model {name_or_path}{where}: cannot be had ({error})") from error
+        hub = HubRevision(repo_id, path.name)
     try:
-        config = AutoConfig.from_pretrained(name_or_path)
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        config = AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as error:  # ValueError: no model_type, no usable tokenizer files
-        where = "" if looks_local else f" (not a directory under {Path.cwd()}, so read as a Hugging Face Hub id)"
         raise ModelNotFoundError(f"base model {name_or_path}{where}: cannot be loaded ({error})") from error
     if tokenizer.eos_token_id is None:
         raise ModelNotFoundError(f"base model {name_or_path}: tokenizer defines no eos_token")
     _check_special_tokens_in_vocabulary(name_or_path, tokenizer, vocab_size(config))
-    digest = (directory_digest(path, record_in=digest_records) if looks_local
-              else f"hub:{name_or_path}@{getattr(config, '_commit_hash', None)}")
     return BaseModelRef(
-        name_or_path=str(path.resolve()) if looks_local else name_or_path,
-        digest=digest,
+        name_or_path=str(path.resolve()) if looks_local else str(path),
+        digest=hub.digest if hub else directory_digest(path, record_in=digest_records),
         parameters=0,
         vocab_size=vocab_size(config),  # nested for multimodal configs (Gemma 3's text_config)
         source="pretrained",
+        revision=hub.commit if hub else None,
     )
 
 

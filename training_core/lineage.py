@@ -20,19 +20,21 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def code_version(repo_root: Path = REPO_ROOT) -> str:
-    """`git sha`, plus `-dirty-<hash>` with uncommitted changes: the diff and the files git does not
-    track yet (a new module never `git add`ed is code too), so two different dirty trees never look
-    alike. Outside a git checkout (a container image holds the sources without `.git`), see
-    :func:`installed_code_version`."""
+    """`git sha`, plus `-dirty-<hash>` with uncommitted changes to the code (the files
+    :func:`installed_code_version` hashes: a README or benchmark-result edit changes no run): the diff
+    and the files git does not track yet (a new module never `git add`ed is code too), so two
+    different dirty trees never look alike. Outside a git checkout (a container image holds the
+    sources without `.git`), see :func:`installed_code_version`."""
     try:
         sha = subprocess.run(
             ["git", "-C", str(repo_root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
         ).stdout.strip()
         diff = subprocess.run(
-            ["git", "-C", str(repo_root), "diff", "HEAD"], capture_output=True, check=True, timeout=30
+            ["git", "-C", str(repo_root), "diff", "HEAD", "--", *_CODE_PATHSPECS],
+            capture_output=True, check=True, timeout=30,
         ).stdout
         untracked = subprocess.run(  # ignored files (.venv, .tessera/, caches) are not code: left out
-            ["git", "-C", str(repo_root), "ls-files", "-z", "--others", "--exclude-standard"],
+            ["git", "-C", str(repo_root), "ls-files", "-z", "--others", "--exclude-standard", "--", *_CODE_PATHSPECS],
             capture_output=True, check=True, timeout=30,
         ).stdout
     except (OSError, subprocess.SubprocessError):
@@ -48,6 +50,8 @@ def code_version(repo_root: Path = REPO_ROOT) -> str:
 # Tessera's own top-level packages (pyproject.toml's packages.find) and the file that pins its
 # dependencies: the code a run executes, wherever it is installed.
 CODE_PACKAGES = ("pipelines", "assets", "ops", "resources", "training_core", "bench", "deploy")
+# The same files as git pathspecs, relative to the repository root (`git -C` runs them there).
+_CODE_PATHSPECS = ("pyproject.toml", *(f":(glob){package}/**/*.py" for package in CODE_PACKAGES))
 CODE_VERSION_ENV = "TESSERA_CODE_VERSION"
 _CODE_VERSION_LABEL = re.compile(r"[\w.+=:/@-]{1,100}")
 

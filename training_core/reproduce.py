@@ -13,14 +13,14 @@ from training_core.data import cache_version
 from training_core.data.batch_columns import TRAINING_COLUMNS
 from training_core.data.batch_columns import TRAINING_TRANSFORM_VERSION as TRANSFORM_VERSION
 from training_core.data.window import window_digest
-from training_core.base_model import base_model_changes
+from training_core.base_model import HubRevision, base_model_changes, hub_branch_commit, hub_snapshot
 from training_core.errors import ConfigError, LineageError
 from training_core.evaluate.settings import EvalSettings
 from training_core.lineage import code_version, installed_version, parse_dataset_paths
 from training_core.runs import TrainingInputs
 from training_core.storage import changed_files, directory_digest
 from training_core.tracking import MlflowTracking
-from training_core.train.config import TrainingConfig, parse_training_config
+from training_core.train.config import TrainingConfig, config_values_digest, parse_training_config
 
 CONFIG_ARTIFACT = "training_config.json"
 LINEAGE_PARAMS = (
@@ -35,6 +35,9 @@ class RecordedRun:
     inputs: TrainingInputs
     params: dict[str, str]
     eval_settings: EvalSettings  # what its eval metrics were produced with (defaults if never evaluated)
+    # (config.<field>, "not recorded", its default now): fields this code added since the run, filled
+    # from their defaults; a reason results may differ, printed with the version drift
+    config_drift: list[tuple[str, str, str]]
 
 
 def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: str | None,
@@ -46,9 +49,14 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
     missing = [k for k in LINEAGE_PARAMS if k not in params]
     if missing:
         raise LineageError(f"run {run_id} lacks lineage params {missing}; it was not recorded by Tessera")
-    config = _recorded_config(tracking, run_id)
-    if config.digest() != params["config_digest"]:
+    recorded_values = _recorded_config_values(tracking, run_id)
+    config = _parsed_config(run_id, recorded_values)
+    # Over the JSON as recorded (TrainingConfig.digest of the config then): re-parsed, the fields added
+    # since are filled in and every older run's digest would differ.
+    if config_values_digest(recorded_values) != params["config_digest"]:
         raise LineageError(f"run {run_id}: {CONFIG_ARTIFACT} does not match its recorded config_digest")
+    config_drift = [(f"config.{name}", "not recorded", f"{value!r} (default)")
+                    for name, value in sorted(config.model_dump(mode="json").items()) if name not in recorded_values]
 
     datasets = [Path(p) for p in _recorded_dataset_paths(run_id, params["dataset_paths"])]
     digests = []
@@ -66,7 +74,10 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
     if rebuilt_cache != params["cache_version"]:
         raise LineageError(f"run {run_id}: cache version {params['cache_version']} cannot be rebuilt by this code")
     base = Path(params["base_model"])
-    if not params["base_model_digest"].startswith("hub:"):
+    hub = HubRevision.from_digest(params["base_model_digest"])
+    if hub is not None:
+        base = _pinned_hub_snapshot(run_id, hub, base)
+    else:
         if not base.is_dir():
             raise LineageError(f"run {run_id}: base model {base} is gone")
         if changes := base_model_changes(base, params["base_model_digest"], base_digest_records):
@@ -74,7 +85,7 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
             raise LineageError(f"run {run_id}: base model {base} no longer matches its recorded digest"
                                + (f": {', '.join(named)}" if named else ""))
     inputs = TrainingInputs(
-        base_model=params["base_model"],
+        base_model=str(base),
         base_model_digest=params["base_model_digest"],
         dataset_paths=[str(d) for d in datasets],
         dataset_digest=params["dataset_digest"],
@@ -87,7 +98,30 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
         eval_settings = EvalSettings.from_tags(run.data.tags)
     except ConfigError as error:
         raise LineageError(f"run {run_id}: its evaluation settings cannot be read back: {error}") from None
-    return RecordedRun(run_id, config, inputs, params, eval_settings)
+    return RecordedRun(run_id, config, inputs, params, eval_settings, config_drift)
+
+
+def _pinned_hub_snapshot(run_id: str, hub: HubRevision, recorded_folder: Path) -> Path:
+    """The snapshot folder of the hub commit the run trained on: the recorded one if it is still
+    there, else fetched again (from the Hugging Face cache, or the hub unless HF_HUB_OFFLINE)."""
+    if hub.commit is None:
+        raise LineageError(
+            f"run {run_id}: its base model {hub.repo_id} is a hub model recorded without its revision (by a "
+            f"Tessera that did not pin hub revisions; {_now_at(hub.repo_id)}), so which weights it trained on is "
+            "unknown; rematerialize base_model, training_dataset and lora_adapter for a run that can be reproduced")
+    if recorded_folder.is_dir() and recorded_folder.name == hub.commit:
+        return recorded_folder
+    try:
+        return hub_snapshot(hub.repo_id, hub.commit)
+    except (OSError, ValueError) as error:
+        raise LineageError(
+            f"run {run_id}: base model {hub.repo_id} at its recorded revision {hub.commit} cannot be had "
+            f"({_now_at(hub.repo_id)}): {error}") from error
+
+
+def _now_at(repo_id: str) -> str:
+    commit = hub_branch_commit(repo_id)
+    return f"its main branch is at {commit} now" if commit else "its current revision is unknown here"
 
 
 def lineage_drift(params: dict[str, str]) -> list[tuple[str, str, str]]:
@@ -136,8 +170,8 @@ def _unreadable_store(tracking: MlflowTracking, run_id: str, reason: str) -> Lin
                         f"{reason} (is the store locked by another process or damaged?)")
 
 
-def _recorded_config(tracking: MlflowTracking, run_id: str) -> TrainingConfig:
-    """The run's resolved config artifact, parsed and validated."""
+def _recorded_config_values(tracking: MlflowTracking, run_id: str) -> dict:
+    """The run's resolved config artifact as recorded: a JSON object."""
     from mlflow.exceptions import MlflowException
 
     # Our own folder, removed on exit: without dst_path MLflow downloads into a temp folder it keeps.
@@ -154,6 +188,10 @@ def _recorded_config(tracking: MlflowTracking, run_id: str) -> TrainingConfig:
     if not isinstance(values, dict):
         raise LineageError(f"run {run_id}: artifact {CONFIG_ARTIFACT} holds a JSON {type(values).__name__}, "
                            f"not a config object")
+    return values
+
+
+def _parsed_config(run_id: str, values: dict) -> TrainingConfig:
     try:
         return parse_training_config(values)
     except (ConfigError, ValidationError) as error:

@@ -91,10 +91,7 @@ REUSE_KEYS = ("dataset_digest", "base_model_digest", "config_digest", "code_vers
 def find_reusable_run(tracking: MlflowTracking, lineage: dict[str, str]) -> TrackedRun | None:
     """A finished, non-reproduction run with the same inputs whose model folder is still as
     published (every file matches the digest recorded then)."""
-    clauses = [f"params.{key} = '{lineage[key]}'" for key in REUSE_KEYS] + ["attributes.status = 'FINISHED'"]
-    runs = tracking.client.search_runs([tracking.experiment_id], filter_string=" and ".join(clauses),
-                                       order_by=["attributes.start_time DESC"], max_results=20)
-    for run in runs:
+    for run in _finished_runs_with(tracking, lineage):
         model_dir = run.data.tags.get("model_dir")
         if "reproduces" in run.data.tags or not model_dir or not Path(model_dir).is_dir():
             continue
@@ -111,6 +108,21 @@ def find_reusable_run(tracking: MlflowTracking, lineage: dict[str, str]) -> Trac
         )
         return TrackedRun(mlflow_run_id=run.info.run_id, result=result, lineage=dict(run.data.params), reused=True)
     return None
+
+
+def _finished_runs_with(tracking: MlflowTracking, lineage: dict[str, str], page_size: int = 50):
+    """Finished runs with these `REUSE_KEYS` values, newest first, page by page: every reproduction of
+    a run shares its lineage, so a first page alone may hold nothing but reproductions."""
+    clauses = [f"params.{key} = '{lineage[key]}'" for key in REUSE_KEYS] + ["attributes.status = 'FINISHED'"]
+    page_token = None
+    while True:
+        page = tracking.client.search_runs([tracking.experiment_id], filter_string=" and ".join(clauses),
+                                           order_by=["attributes.start_time DESC"], max_results=page_size,
+                                           page_token=page_token)
+        yield from page
+        if not page.token:
+            return
+        page_token = page.token
 
 
 def ray_run_name(inputs: TrainingInputs, lineage: dict[str, str], suffix: str = "") -> str:

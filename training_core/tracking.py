@@ -49,6 +49,12 @@ class MlflowTracking:
         if existing is None:
             artifact_root.mkdir(parents=True, exist_ok=True)
             self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_root.resolve().as_uri())
+        elif existing.lifecycle_stage == "deleted":  # MLflow refuses new runs in it, and lists none of its runs
+            raise ConfigError(
+                f"MLflow experiment {experiment!r} (id {existing.experiment_id}) at {tracking_uri} is deleted: "
+                f"restore it with `MLFLOW_TRACKING_URI={tracking_uri} mlflow experiments restore --experiment-id "
+                f"{existing.experiment_id}` (its runs come back with it), or name another experiment "
+                "(the mlflow_tracker resource's experiment)")
         else:
             self.experiment_id = existing.experiment_id
             _check_artifact_location(experiment, existing.artifact_location, artifact_root)
@@ -238,18 +244,29 @@ class ModelRegistry:
         names = {Path(info.path).name for info in self.client.list_artifacts(run_id, "model")}
         return "peft-adapter" if "adapter_config.json" in names else "full-model"
 
+    def _base_model(self, run_id: str) -> tuple[str, str]:
+        """The run's base model as a reader elsewhere names it, and the from_pretrained arguments that load
+        it: a hub model by repo id and commit (the recorded path is this machine's cache snapshot)."""
+        from training_core.base_model import HubRevision
+
+        params = self.client.get_run(run_id).data.params
+        base = params.get("base_model", "(not recorded)")
+        hub = HubRevision.from_digest(params.get("base_model_digest", ""))
+        if hub is None or hub.commit is None:
+            return base, repr(base)
+        return f"{hub.repo_id}@{hub.commit}", f"{hub.repo_id!r}, revision={hub.commit!r}"
+
     def _how_to_load(self, run_id: str) -> str:
-        base = self.client.get_run(run_id).data.params.get("base_model", "(not recorded)")
+        base, arguments = self._base_model(run_id)
         if self.model_kind(run_id) == "peft-adapter":
             return (f"PEFT adapter on base model {base}: PeftModel.from_pretrained(AutoModelForCausalLM"
-                    f".from_pretrained({base!r}), <this version's folder>)")
+                    f".from_pretrained({arguments}), <this version's folder>)")
         return f"full model fine-tuned from {base}: AutoModelForCausalLM.from_pretrained(<this version's folder>)"
 
     def _label(self, version) -> None:
         """Tags a version with its kind and base model (set again on a finished promotion's relaunch)."""
         run_id = version.run_id
-        labels = {"tessera.model_kind": self.model_kind(run_id),
-                  "tessera.base_model": self.client.get_run(run_id).data.params.get("base_model", "")}
+        labels = {"tessera.model_kind": self.model_kind(run_id), "tessera.base_model": self._base_model(run_id)[0]}
         for key, value in labels.items():
             if version.tags.get(key) != value:
                 self.client.set_model_version_tag(self.name, version.version, key, value)

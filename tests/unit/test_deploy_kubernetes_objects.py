@@ -156,6 +156,8 @@ def test_every_ray_pod_mounts_the_shared_state_where_ray_storage_lives():
             assert {"configMapRef": {"name": "tessera-config"}} in container["envFrom"]
     assert "ReadWriteMany" in STATE_PVC["spec"]["accessModes"]
     assert Path(ray_storage).is_relative_to(CONFIG_MAP["data"]["TESSERA_HOME"])
+    # A hub base model is loaded by its snapshot path in every pod: the Hugging Face cache is shared too.
+    assert Path(CONFIG_MAP["data"]["HF_HOME"]).is_relative_to(CONFIG_MAP["data"]["TESSERA_HOME"])
 
 
 # --- kuberay_cluster_from_manifest ----------------------------------------------------------------

@@ -209,3 +209,61 @@ def test_registered_versions_say_whether_they_hold_an_adapter_or_a_full_model(tm
     assert full.tags == {"tessera.model_kind": "full-model", "tessera.base_model": "/models/base-full"}
     assert adapter.description.startswith("PEFT adapter on base model /models/base-lora: PeftModel.from_pretrained(")
     assert full.description.startswith("full model fine-tuned from /models/base-full: AutoModelForCausalLM")
+
+
+def test_a_version_trained_on_a_hub_model_names_its_repo_and_commit_not_this_machines_cache(tmp_path: Path):
+    from training_core.tracking import ModelRegistry
+
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    commit = "a" * 40
+    run = tracking.start_run("hub", tags={})
+    tracking.log_batch(run, params={"base_model": f"/cache/hub/models--org--tiny/snapshots/{commit}",
+                                    "base_model_digest": f"hub:org/tiny@{commit}"})
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text("{}")
+    tracking.client.log_artifacts(run, str(folder), "model")
+    ModelRegistry(tracking, "models", "champion").promote(run)
+    (version,) = tracking.client.search_model_versions("name = 'models'")
+    assert version.tags["tessera.base_model"] == f"org/tiny@{commit}"
+    assert version.description == (
+        f"PEFT adapter on base model org/tiny@{commit}: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+        f"'org/tiny', revision='{commit}'), <this version's folder>)")
+
+
+def test_a_finished_run_is_reused_after_more_reproductions_of_it_than_one_search_page(tmp_path: Path):
+    from training_core.runs import REUSE_KEYS, find_reusable_run
+    from training_core.storage import directory_digest
+
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    model = tmp_path / "trained" / "train-all-x"
+    model.mkdir(parents=True)
+    (model / "adapter_model.safetensors").write_bytes(b"weights")
+    directory_digest(model, record_files=True)
+    lineage = {key: f"{key}-value" for key in REUSE_KEYS}
+    original = tracking.start_run("train-all-x", tags={})
+    tracking.log_batch(original, params=lineage, tags={"model_dir": str(model)})
+    tracking.end_run(original)
+    for number in range(60):  # each `tessera reproduce` records a run with the same lineage, newer
+        reproduction = tracking.start_run(f"train-all-x-reproduce-{number}", tags={"reproduces": original})
+        tracking.log_batch(reproduction, params=lineage, tags={"model_dir": str(model)})
+        tracking.end_run(reproduction)
+
+    reused = find_reusable_run(tracking, lineage)
+    assert reused is not None and reused.mlflow_run_id == original
+
+
+def test_a_deleted_experiment_is_refused_naming_the_restore_command(tmp_path: Path):
+    import pytest
+
+    from training_core.errors import ConfigError
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking = MlflowTracking(uri, tmp_path / "artifacts")
+    tracking.client.delete_experiment(tracking.experiment_id)
+    with pytest.raises(ConfigError, match=rf"MLflow experiment 'tessera' \(id {tracking.experiment_id}\) at {uri} is "
+                                          rf"deleted: restore it with `MLFLOW_TRACKING_URI={uri} mlflow experiments "
+                                          rf"restore --experiment-id {tracking.experiment_id}`"):
+        MlflowTracking(uri, tmp_path / "artifacts")
+    tracking.client.restore_experiment(tracking.experiment_id)
+    assert MlflowTracking(uri, tmp_path / "artifacts").experiment_id == tracking.experiment_id

@@ -4,6 +4,7 @@ never a traceback. Runs are recorded in a real SQLite MLflow store, with the rea
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 import tempfile
 from io import StringIO
@@ -54,11 +55,14 @@ def _record_run(
     (None: never ended, as while training). `config_text=""` logs no config artifact."""
     config = TrainingConfig()
     digests = [directory_digest(d) for d in datasets]
+    base = tmp_path / "base-model"  # a stand-in for a user's model folder: what reproduce digests
+    base.mkdir(exist_ok=True)
+    (base / "config.json").write_text("{}")
     params = build_lineage_record(
         seed=config.seed, data_seed=config.data_seed,
         dataset_digest=window_digest(digests), dataset_paths=[str(d) for d in datasets],
         cache_version=window_digest([cache_version(d, TRAINING_COLUMNS, TRANSFORM_VERSION) for d in digests]),
-        base_model="org/tiny", base_model_digest="hub:org/tiny", config_digest=config.digest(),
+        base_model=str(base), base_model_digest=directory_digest(base), config_digest=config.digest(),
         dagster_run_id="dagster-run", partition_keys=["2026-11-01"],
     )
     params = {k: v for k, v in {**params, **(overrides or {})}.items() if k not in drop}
@@ -315,3 +319,110 @@ def test_reproduce_in_a_state_folder_without_an_mlflow_store_creates_none(tmp_pa
     assert reproduce_run("0123456789abcdef0123456789abcdef", Console(file=output, width=300)) == 2
     assert f"cannot reproduce: no MLflow store at {tmp_path / 'mlflow.db'}; pass --home" in output.getvalue()
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_config_field_added_since_the_run_is_filled_from_its_default_as_a_note_not_a_refusal(tracking, tmp_path):
+    import hashlib
+
+    from pipelines.reproduce import print_drift
+
+    recorded = TrainingConfig().model_dump(mode="json")
+    recorded.pop("peak_flops_preset")  # as recorded by a Tessera before the field existed
+    run_id = _record_run(tracking, tmp_path, [_published_dataset(tmp_path / "d")], config_text=json.dumps(recorded),
+                         overrides={"config_digest": hashlib.sha256(json.dumps(recorded, sort_keys=True).encode())
+                                    .hexdigest()})
+    run = load_recorded_run(tracking, run_id, None)
+    assert run.config == TrainingConfig()
+    assert run.config_drift == [("config.peak_flops_preset", "not recorded", "'auto' (default)")]
+    output = StringIO()
+    print_drift(Console(file=output, width=200), run_id, run.config_drift)
+    assert "config.peak_flops_preset: not recorded → 'auto' (default)" in output.getvalue()
+
+
+def _store_outside_the_state_folder(tmp_path: Path) -> tuple[Path, str, str]:
+    """A state folder without mlflow.db, and a run in another store (as a tracking server holds it)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    uri = f"sqlite:///{home / 'server.db'}"
+    server = MlflowTracking(uri, home / "mlartifacts")
+    run_id = _record_run(server, tmp_path, [_published_dataset(tmp_path / "d")])
+    shutil.rmtree(tmp_path / "d")  # refused after the run is read: no training starts
+    return home, uri, run_id
+
+
+def test_reproduce_reads_the_run_from_mlflow_tracking_uri(tmp_path, monkeypatch):
+    from pipelines.reproduce import reproduce_run
+
+    home, uri, run_id = _store_outside_the_state_folder(tmp_path)
+    monkeypatch.setenv("TESSERA_HOME", str(home))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    output = StringIO()
+    assert reproduce_run(run_id, Console(file=output, width=300)) == 2
+    assert f"cannot reproduce: run {run_id}: dataset {tmp_path / 'd'} is gone" in output.getvalue()
+    assert not (home / "mlflow.db").exists()
+
+
+def test_reproduce_reads_the_run_from_the_tracking_uri_option(tmp_path, monkeypatch, capsys):
+    from pipelines.cli import main
+
+    home, uri, run_id = _store_outside_the_state_folder(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("TESSERA_HOME", str(tmp_path / "elsewhere"))  # --home wins, and is written back
+    assert main(["reproduce", run_id, "--home", str(home), "--tracking-uri", uri]) == 2
+    assert f"cannot reproduce: run {run_id}: dataset {tmp_path / 'd'} is gone" in capsys.readouterr().out
+    assert main(["reproduce", run_id, "--home", str(home)]) == 2  # without it: the state folder's store
+    assert f"no MLflow store at {home / 'mlflow.db'}" in capsys.readouterr().out
+
+
+def test_reproduce_reads_the_cache_under_the_cache_resources_quota_and_policy(tracking, tmp_path, monkeypatch):
+    from pipelines import reproduce
+    from resources import RowGroupCache
+
+    run_id = _record_run(tracking, tmp_path, [_published_dataset(tmp_path / "datasets" / "2026-11-01")])
+    resources = _resources_for(tracking, tmp_path)
+    resources["cache"] = RowGroupCache(storage=resources["storage"], size_limit_bytes=12345, policy="stop_admitting")
+    trained_with = {}
+
+    def capture(config, inputs, *args, **kwargs):
+        trained_with.update(quota=inputs.cache_size_limit_bytes, policy=inputs.cache_policy)
+        raise _Stop
+
+    monkeypatch.setattr(reproduce, "local_resources", lambda: resources)
+    monkeypatch.setattr(reproduce, "_connect_to_ray", lambda address: None)
+    monkeypatch.setattr(reproduce, "gpu_available_in_cluster", lambda: False)
+    monkeypatch.setattr(reproduce, "alive_node_resources", lambda: [{"CPU": 64.0}])
+    monkeypatch.setattr(reproduce, "run_tracked_training", capture)
+    with pytest.raises(_Stop):
+        reproduce.reproduce_run(run_id, Console(file=StringIO()))
+    assert trained_with == {"quota": 12345, "policy": "stop_admitting"}
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_edits_outside_the_code_leave_the_code_version_clean(tmp_path):
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    (tmp_path / "training_core").mkdir()
+    (tmp_path / "training_core" / "loop.py").write_text("steps = 1\n")
+    (tmp_path / "pyproject.toml").write_text("[project]\n")
+    (tmp_path / "README.md").write_text("# readme\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "code")
+    sha = git("rev-parse", "HEAD")
+
+    (tmp_path / "README.md").write_text("# readme, a typo fixed\n")
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "training.json").write_text("{}")  # as `tessera bench train` rewrites it
+    assert code_version(tmp_path) == sha
+    (tmp_path / "training_core" / "loop.py").write_text("steps = 2\n")
+    edited = code_version(tmp_path)
+    assert edited.startswith(f"{sha}-dirty-")
+    (tmp_path / "training_core" / "order.py").write_text("")  # a module never `git add`ed is code too
+    assert code_version(tmp_path) not in (sha, edited)

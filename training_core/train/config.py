@@ -190,7 +190,13 @@ class TrainingConfig(BaseModel):
         return self.micro_batch_size * self.gradient_accumulation_steps * self.num_workers
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+        return config_values_digest(self.model_dump(mode="json"))
+
+
+def config_values_digest(values: Mapping) -> str:
+    """The digest of a config as its JSON values: a recorded config verifies against its digest as
+    written, even after this code added fields (re-parsed, they would be filled in)."""
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
 
 def _workers_that_fit(node: Mapping[str, float], per_worker: Mapping[str, float]) -> int:
