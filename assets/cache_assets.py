@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import dagster as dg
 
 from assets.data_assets import refuse_days_that_failed_checks
+from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY
 from resources import RowGroupCache
 from training_core.data import warm_cache
@@ -26,6 +27,7 @@ class WarmCache:
 def row_group_cache(context: dg.AssetExecutionContext, cache: RowGroupCache, training_dataset: PublishedDataset):
     """Every row group decoded once into the FanoutCache, so training never waits on Parquet decode.
     The cache version is (dataset digest, columns, transform version)."""
+    refuse_invalid_run_config(context)
     if training_dataset.failed_checks:
         refuse_days_that_failed_checks({context.partition_key: training_dataset.failed_checks}, "row_group_cache")
     cache_config = cache.config()

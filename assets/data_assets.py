@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import dagster as dg
 from pydantic import Field
 
+from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY
 from resources import TesseraStorage
 from training_core.base_model import BaseModelRef, load_tokenizer
@@ -45,6 +46,7 @@ class RawExamplesConfig(dg.Config):
 @dg.asset(partitions_def=DAILY, group_name="data", kinds={"parquet"})
 def raw_examples(context: dg.AssetExecutionContext, config: RawExamplesConfig, storage: TesseraStorage):
     """Source records (prompt, response) for one day, frozen as JSONL under datasets/raw/."""
+    refuse_invalid_run_config(context)
     day = context.partition_key
     origins = None
     # Messages name the file or folder read for this day, not the template.
@@ -69,7 +71,8 @@ def raw_examples(context: dg.AssetExecutionContext, config: RawExamplesConfig, s
     context.log.info("partition %s: %d records from %s", day, len(records), source)
     return dg.Output(
         RawPartition(path=str(final / "records.jsonl"), records=len(records), digest=digest),
-        metadata={"records": len(records), "digest": digest, "path": str(final)},
+        # not `path`: the IO manager records the path of its pickle under that key
+        metadata={"records": len(records), "digest": digest, "dataset_path": dg.MetadataValue.path(str(final))},
         data_version=dg.DataVersion(digest),
     )
 
@@ -102,6 +105,7 @@ def training_dataset(
 ):
     """Tokenized (base model's tokenizer), packed Parquet plus a held-out eval split, published
     atomically under datasets/training/<day>/<digest>. The content digest is the data version."""
+    refuse_invalid_run_config(context)
     records = read_records(raw_examples.path)
     spec = DatasetSpec(**config.model_dump(exclude={"max_repeated_records"}))
     tokenizer = load_tokenizer(base_model.name_or_path)
@@ -122,7 +126,7 @@ def training_dataset(
     yield dg.Output(
         dataset,
         metadata={
-            "path": dg.MetadataValue.path(dataset.path),
+            "dataset_path": dg.MetadataValue.path(dataset.path),
             "digest": dataset.digest,
             "train_rows": dataset.train_rows,
             "train_examples": dataset.train_examples,
@@ -144,5 +148,6 @@ def refuse_days_that_failed_checks(failed: dict[str, tuple[str, ...]], consumer:
         days = "; ".join(f"{day} failed {', '.join(checks)}" for day, checks in sorted(failed.items()))
         raise dg.Failure(
             f"{consumer} refuses training_dataset partition(s) whose blocking checks failed: {days}. Fix that "
-            "day's source data and rematerialize training_dataset for it (its asset checks say what is wrong)"
+            "day's source data and rematerialize raw_examples and training_dataset for it (training_dataset "
+            "reads the copy raw_examples froze; its asset checks say what is wrong)"
         )

@@ -1,5 +1,7 @@
 """evaluation (+ gates) → promoted_model (MLflow registry alias `champion`)."""
 
+import hashlib
+import json
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -7,6 +9,7 @@ import dagster as dg
 from dagster_ray import RayResource
 from pydantic import Field
 
+from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
 from assets.training_assets import TrainedModel
 from resources import MlflowTracker, TesseraStorage
@@ -33,8 +36,8 @@ _REPLACED = f"a model that passes the other gate replaces it as {CHAMPION_ALIAS}
 
 class EvaluationConfig(dg.Config):
     """Promotion gates; the defaults promote only a model that beats the base and holds up against the champion.
-    Dagster rejects a wrong type or unknown field at launch; a value out of range fails this step before any
-    model is loaded."""
+    Dagster rejects a wrong type or unknown field at launch; a value out of range fails the run's first step
+    (assets/launch_checks.py), before anything is trained."""
 
     # allow_inf_nan=False: NaN compares false with everything, so it would silently fail (or pass) every gate.
     max_loss_ratio: float = Field(
@@ -86,6 +89,7 @@ def evaluation(
 ):
     """Eval loss, perplexity and exact-match on the training window's held-out prompts: base vs trained vs
     champion. Blocking checks stop promotion when training did not help."""
+    refuse_invalid_run_config(context)
     window = DatasetWindow.from_partitions(by_partition(training_dataset, context, "training_dataset"))
     if lora_adapter.dataset_digest != window.digest:
         raise ValueError(
@@ -139,8 +143,17 @@ def evaluation(
     yield dg.Output(report, metadata={**{k: float(v) for k, v in report.as_metrics().items()},
                                       "eval_device": outcome.settings.device,
                                       "eval_precision": outcome.settings.precision,
-                                      "evaluated_by": outcome.where})
+                                      "evaluated_by": outcome.where},
+                    data_version=evaluation_data_version(report))
     yield from gates
+
+
+def evaluation_data_version(report: EvaluationReport) -> dg.DataVersion:
+    """What promotion reads: which run, its scores and failed gates. A reused training run scored the
+    same again keeps promoted_model fresh (Dagster would otherwise give every materialization a new version)."""
+    recorded = {"mlflow_run_id": report.mlflow_run_id, "metrics": {k: float(v) for k, v in report.as_metrics().items()},
+                "failed_gates": report.failed_gates}
+    return dg.DataVersion(hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest())
 
 
 def _champion_base_model(registry: ModelRegistry, champion, base_model: str) -> tuple[str | None, str | None]:
@@ -194,6 +207,7 @@ class PromotedModel:
 def promoted_model(context: dg.AssetExecutionContext, mlflow_tracker: MlflowTracker, evaluation: EvaluationReport):
     """Registers the trained model and points `champion` at it. Runs only when every blocking
     check upstream passed; promoting the current champion again is a no-op."""
+    refuse_invalid_run_config(context)
     # Blocking checks stop this step in the run that evaluated; a promotion launched on its own (UI,
     # backfill) gets here anyway, so it reads the gates off the evaluation it would promote.
     if evaluation.failed_gates is None:
@@ -218,12 +232,19 @@ def promoted_model(context: dg.AssetExecutionContext, mlflow_tracker: MlflowTrac
     _refuse_if_champion_moved(registry, evaluation, context.partition_key)
     version, changed = registry.promote(evaluation.mlflow_run_id)
     context.log.info("%s version %s is %s %s", REGISTERED_MODEL, version, "now" if changed else "still", CHAMPION_ALIAS)
+    promoted = PromotedModel(REGISTERED_MODEL, version, CHAMPION_ALIAS, evaluation.mlflow_run_id)
     return dg.Output(
-        PromotedModel(REGISTERED_MODEL, version, CHAMPION_ALIAS, evaluation.mlflow_run_id),
+        promoted,
+        data_version=promotion_data_version(promoted),
         metadata={"registered_model": REGISTERED_MODEL, "version": version, "alias": CHAMPION_ALIAS,
                   "alias_moved": changed, "mlflow_run_id": evaluation.mlflow_run_id,
                   "model_kind": registry.model_kind(evaluation.mlflow_run_id)},
     )
+
+
+def promotion_data_version(promoted: PromotedModel) -> dg.DataVersion:
+    """The registered version and the run it holds: promoting the champion again keeps its version."""
+    return dg.DataVersion(f"{promoted.name}/{promoted.version}/{promoted.run_id}")
 
 
 def _refuse_if_champion_moved(registry: ModelRegistry, evaluation: EvaluationReport, partition_key: str) -> None:

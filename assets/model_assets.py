@@ -4,6 +4,7 @@
 import dagster as dg
 from pydantic import Field, field_validator
 
+from assets.launch_checks import refuse_invalid_run_config
 from resources import TesseraStorage
 from training_core.base_model import TinyLlamaSpec, build_demo_model, resolve_pretrained
 from training_core.data.demo_task import tokenizer_corpus
@@ -22,14 +23,16 @@ class BaseModelConfig(dg.Config):
     @classmethod
     def _divisible_by_heads(cls, value: int) -> int:
         heads = TinyLlamaSpec.num_attention_heads
-        if value % heads:
-            raise ValueError(f"demo_hidden_size must be a multiple of the demo model's {heads} attention heads, got {value}")
+        if value % (2 * heads):  # rotary embeddings rotate pairs: each head's size must be even
+            raise ValueError(f"demo_hidden_size must be a multiple of {2 * heads} (the demo model's {heads} attention "
+                             f"heads, each of an even size for rotary embeddings), got {value}")
         return value
 
 
 @dg.asset(group_name="model", kinds={"pytorch"})
 def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, storage: TesseraStorage):
     """A model directory `from_pretrained` loads, identified by its content digest."""
+    refuse_invalid_run_config(context)
     if config.name_or_path == "demo":
         spec = TinyLlamaSpec(hidden_size=config.demo_hidden_size, intermediate_size=2 * config.demo_hidden_size,
                              num_hidden_layers=config.demo_layers, seed=config.demo_seed)

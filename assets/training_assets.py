@@ -10,6 +10,7 @@ from pydantic import Field
 
 from assets.cache_assets import WarmCache
 from assets.data_assets import refuse_days_that_failed_checks
+from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
 from assets.run_identity import record_this_process
 from resources import MlflowTracker, RowGroupCache, TesseraStorage
@@ -51,7 +52,7 @@ class TrainingRunConfig(dg.Config):
     offload_optimizer: Literal["none", "cpu"] = Field("none", description="ZeRO-Offload of optimizer state")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16 needs a GPU")
     attention: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa")
-    micro_batch_size: int = Field(8, description="rows per worker per step")
+    micro_batch_size: int = Field(8, description="rows per worker per forward pass (micro step)")
     gradient_accumulation_steps: int = Field(1, ge=1)
     learning_rate: float = Field(3e-3, description="peak learning rate")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay after warm-up")
@@ -105,6 +106,7 @@ def lora_adapter(
     """Fine-tunes the base model on the datasets of the training window (TRAINING_WINDOW_DAYS days
     ending at this partition), reading batches through the warmed row-group cache.
     When dataset, base model, config and code are unchanged since a finished run, that run is reused."""
+    refuse_invalid_run_config(context)
     record_this_process(context)  # this run holds a training pool slot: a later process can tell if it died
     training_config = config.training_config()
     tracker = mlflow_tracker.client()
@@ -167,6 +169,8 @@ def lora_adapter(
             "achieved_flops_per_s": telemetry.get("achieved_flops_per_s", 0.0),
             "loss_curve": dg.MetadataValue.md(_sparkline_table(result.loss_history)),
         },
+        # The MLflow run is the model: a reused run keeps its version, so evaluation stays fresh.
+        data_version=dg.DataVersion(tracked.mlflow_run_id),
     )
 
 

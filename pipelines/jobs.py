@@ -6,7 +6,7 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
-from assets.partitions import DAILY
+from assets.partitions import DAILY, TRAINING_WINDOW_DAYS
 from training_core.errors import ConfigError
 
 # The whole graph for one day: what `tessera demo`, a UI launch and the schedule materialize.
@@ -88,7 +88,37 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
         day = closed_days[-1]
         # A bad or missing file fails the tick, naming it, before any run starts.
         run_config = scheduled_run_config(embedded_defaults_allowed)
-        tags = {"tessera/run_config": os.environ[RUN_CONFIG_ENV].strip()} if run_config else {}
+        run_config_file = os.environ[RUN_CONFIG_ENV].strip() if run_config else None
+        # The run materializes its own day only; lora_adapter also reads the window's earlier days.
+        if skip := _skip_unless_window_materialized(context.instance, day, closed_days[-TRAINING_WINDOW_DAYS:-1],
+                                                    run_config_file):
+            return skip
+        tags = {"tessera/run_config": run_config_file} if run_config_file else {}
         return dg.RunRequest(run_key=day, partition_key=day, run_config=run_config, tags=tags)
 
     return daily_retrain_schedule
+
+
+# What a training window reads from an earlier day: its warmed cache (and the dataset behind it).
+WINDOW_DAY_ASSETS = ("raw_examples", "training_dataset", "row_group_cache")
+
+
+def _skip_unless_window_materialized(instance: dg.DagsterInstance, day: str, earlier_days: list[str],
+                                     run_config_file: str | None) -> dg.SkipReason | None:
+    """A SkipReason naming the backfill to launch when an earlier day of `day`'s training window never
+    had row_group_cache materialized (a fresh deployment, a day whose run failed): lora_adapter would
+    fail on it after every step before had run."""
+    missing = [earlier for earlier in earlier_days if not instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("row_group_cache"), asset_partitions=[earlier]), limit=1).records]
+    if not missing:
+        return None
+    # The backfill's training_dataset reads base_model: include it where no run has built it yet.
+    selection = ([] if instance.fetch_materializations(dg.AssetKey("base_model"), limit=1).records
+                 else ["base_model"]) + list(WINDOW_DAY_ASSETS)
+    with_config = f" with the run config in {run_config_file}" if run_config_file else ""
+    return dg.SkipReason(
+        f"not starting train_and_promote for {day}: its training window also reads {', '.join(missing)}, where "
+        f"row_group_cache was never materialized, so lora_adapter would fail. Backfill assets {','.join(selection)} "
+        f"for partition{'s' if len(missing) > 1 else ''} {', '.join(missing)}{with_config}, then launch "
+        f"train_and_promote for {day}"
+    )

@@ -132,6 +132,13 @@ def test_no_change_rerun_reuses_training_and_keeps_the_champion(demo_run):
     assert again.output_for_node("lora_adapter").mlflow_run_id == first.output_for_node("lora_adapter").mlflow_run_id
     assert len(_training_runs(home)) == runs_before
     assert _materialization(again, "promoted_model").metadata["alias_moved"].value is False
+    # Same MLflow run, same scores, same registered version: the same data versions, so nothing downstream of
+    # a reused training run shows stale in the UI.
+    for key in ("lora_adapter", "evaluation", "promoted_model"):
+        assert (_materialization(again, key).tags["dagster/data_version"]
+                == _materialization(first, key).tags["dagster/data_version"]), key
+    assert _materialization(again, "lora_adapter").tags["dagster/data_version"] == training.metadata[
+        "mlflow_run_id"].value
 
 
 def test_failing_check_blocks_promotion_and_keeps_the_champion(demo_run):

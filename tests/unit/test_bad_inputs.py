@@ -253,8 +253,9 @@ def test_demo_hidden_size_must_split_into_the_heads():
     from assets.model_assets import BaseModelConfig
 
     assert BaseModelConfig(demo_hidden_size=64).demo_hidden_size == 64
-    with pytest.raises(Exception, match="demo_hidden_size must be a multiple of the demo model's 4 attention heads, got 130"):
-        BaseModelConfig(demo_hidden_size=130)
+    for odd_heads in (130, 100):  # 4 heads of 32.5, of 25 (rotary embeddings need an even head size)
+        with pytest.raises(Exception, match=rf"demo_hidden_size must be a multiple of 8 .*, got {odd_heads}"):
+            BaseModelConfig(demo_hidden_size=odd_heads)
     # torch.manual_seed takes no negative seed and at most 2**64 - 1: refused at launch, naming the field.
     for seed in (-1, 2**64):
         with pytest.raises(pydantic.ValidationError, match="demo_seed"):

@@ -3,6 +3,7 @@ starts with or without a BOS), and the training window's record of failed checks
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -226,11 +227,16 @@ def test_a_duplicate_rows_failure_names_the_repeated_source_records(tmp_path, de
     dataset = write_dataset(records, tokenizer, tmp_path / "out", DatasetSpec(seq_len=16, row_group_rows=16),
                             source_label="t")
 
+    os.utime(frozen, (1_793_500_000, 1_793_500_000))  # when raw_examples froze it: 2026-11-01 02:26:40 UTC
+
     outcomes = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records, str(frozen))}
     check = outcomes["no_duplicate_rows"]
     assert not check.passed and check.metadata["duplicate_records"] == 2
+    # The lines are those of the frozen copy: a fix to the user's file reaches the check only through raw_examples.
     assert check.description.endswith(f": 2 source records repeat an earlier one, e.g. line 61 of {source} repeats "
-                                      f"line 5 of {source}; line 62 of {source} repeats line 9 of {source}")
+                                      f"line 5 of {source}; line 62 of {source} repeats line 9 of {source} (lines of "
+                                      "the source as raw_examples froze it at 2026-11-01 02:26 UTC; after fixing it, "
+                                      "rematerialize raw_examples, then training_dataset)")
     without_records = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}
     assert "source records" not in without_records["no_duplicate_rows"].description
 
@@ -279,3 +285,63 @@ def test_a_training_window_names_days_that_failed_checks_and_caches_warmed_for_a
     # 11-02's cache was warmed before its dataset was rematerialized with other content
     assert window.stale_caches({**warmed, "2026-11-02": cache_version("d" * 64, TRAINING_COLUMNS, "none")}) == [
         "2026-11-02"]
+
+
+def _materialize_day(home: Path, selection: list[str], raw_examples_config: dict, partition: str = "2026-11-05"):
+    """Real Dagster runs sharing one persistent instance, as UI launches do."""
+    import dagster as dg
+
+    from pipelines.graph import ASSETS
+    from pipelines.resources_local import local_resources
+
+    (home / "dagster").mkdir(parents=True, exist_ok=True)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TESSERA_HOME", str(home))
+    try:
+        return dg.materialize(ASSETS, selection=selection, partition_key=partition, resources=local_resources(),
+                              instance=dg.DagsterInstance.local_temp(str(home / "dagster")),
+                              run_config={"ops": {"raw_examples": {"config": raw_examples_config}}} if "raw_examples" in selection
+                              else None,
+                              raise_on_error=False)
+    finally:
+        mp.undo()
+
+
+def test_the_advice_after_a_failed_duplicate_check_fixes_the_day(tmp_path):
+    """Fix the source, then rematerialize raw_examples and training_dataset: training_dataset alone
+    re-reads the copy raw_examples froze, and fails again."""
+    import json
+
+    from assets.data_assets import refuse_days_that_failed_checks
+
+    def duplicate_check(result):
+        return {e.check_name: e for e in result.get_asset_check_evaluations()}["no_duplicate_rows"]
+
+    distinct = list({(r["prompt"], r["response"]): r for r in generate_records("2026-11-05", 400)}.values())[:300]
+    source = tmp_path / "exports" / "2026-11-05.jsonl"
+    source.parent.mkdir()
+    source.write_text("".join(json.dumps(r) + "\n" for r in distinct[:150] * 2))  # exported twice
+    home, config = tmp_path / "home", {"source": str(tmp_path / "exports" / "{partition}.jsonl")}
+    failed = duplicate_check(_materialize_day(home, ["base_model", "raw_examples", "training_dataset"], config))
+    assert not failed.passed and f"line 151 of {source} repeats line 1 of {source}" in failed.description
+    assert "as raw_examples froze it at" in failed.description
+
+    source.write_text("".join(json.dumps(r) + "\n" for r in distinct))  # fixed
+    assert not duplicate_check(_materialize_day(home, ["training_dataset"], config)).passed  # the frozen copy
+    assert duplicate_check(_materialize_day(home, ["raw_examples", "training_dataset"], config)).passed
+
+    with pytest.raises(Exception) as refused:
+        refuse_days_that_failed_checks({"2026-11-05": ("no_duplicate_rows",)}, "row_group_cache")
+    assert ("Fix that day's source data and rematerialize raw_examples and training_dataset for it"
+            in str(refused.value))
+
+
+def test_the_dataset_assets_record_their_published_folder_beside_the_io_managers_path(tmp_path):
+    # `path` is the IO manager's: it records where it pickled the value, over any `path` of ours.
+    result = _materialize_day(tmp_path, ["base_model", "raw_examples", "training_dataset"],
+                              {"records_per_partition": 300})
+    metadata = {e.asset_key.path[-1]: e.materialization.metadata for e in result.get_asset_materialization_events()}
+    raw, dataset = result.output_for_node("raw_examples"), result.output_for_node("training_dataset")
+    assert metadata["raw_examples"]["dataset_path"].value == str(Path(raw.path).parent)
+    assert metadata["training_dataset"]["dataset_path"].value == dataset.path
+    assert metadata["training_dataset"]["path"].value != dataset.path

@@ -19,8 +19,13 @@ from training_core.errors import ConfigError
 
 def _tick(when: datetime):
     schedule = defs.resolve_schedule_def("daily_retrain")
-    context = dg.build_schedule_context(scheduled_execution_time=when, repository_def=defs.get_repository_def())
-    return schedule.evaluate_tick(context)
+    with dg.instance_for_test() as instance:  # the earlier day of each window was materialized
+        instance.report_runless_asset_event(dg.AssetMaterialization("row_group_cache", partition="2026-11-01"))
+        instance.report_runless_asset_event(dg.AssetMaterialization("row_group_cache", partition="2026-11-02"))
+        # The inner `with` disposes of the context's weak reference to the instance before it closes.
+        with dg.build_schedule_context(instance=instance, scheduled_execution_time=when,
+                                       repository_def=defs.get_repository_def()) as context:
+            return schedule.evaluate_tick(context)
 
 
 def test_daily_schedule_requests_yesterdays_partition(monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +214,15 @@ def duplicate_records(records: list[dict[str, str]], records_path: str | None = 
     return repeats, examples
 
 
+def _as_frozen(records_path: str | None) -> str:
+    """Which copy of the source the line numbers describe: later edits to the user's file are not in it."""
+    if records_path is None:
+        return ""
+    frozen_at = datetime.fromtimestamp(Path(records_path).stat().st_mtime, timezone.utc)
+    return (f" (lines of the source as raw_examples froze it at {frozen_at:%Y-%m-%d %H:%M} UTC; after fixing it, "
+            "rematerialize raw_examples, then training_dataset)")
+
+
 def repeated_record_count(records: list[dict[str, str]]) -> int:
     """How many records repeat an earlier one (same prompt and response)."""
     keys = {hashlib.blake2b(f"{r['prompt']}\0{r['response']}".encode(), digest_size=16).digest() for r in records}
@@ -273,7 +283,7 @@ def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer, records: list
             outcomes[2] = CheckOutcome(
                 duplicate_check.name, False,
                 f"{duplicate_check.description}: {repeated} source records{share} repeat an earlier one, e.g. "
-                + "; ".join(examples), metadata)
+                + "; ".join(examples) + _as_frozen(records_path), metadata)
         else:
             outcomes[2] = CheckOutcome(duplicate_check.name, duplicate_check.passed,
                                        f"{duplicate_check.description}; {repeated} repeated source records", metadata)

@@ -1,0 +1,79 @@
+"""Every step checks the settings of every asset in its run before it does any work.
+
+Dagster checks only types and unknown fields at launch; ranges and combinations (a batch size of 0,
+ZeRO stage 7, bf16 evaluation on the CPU) are checked when an asset's step builds its config, which
+for evaluation is after training finished. So each step builds every asset's config from the run
+config as that asset's step will, and refuses the run naming every bad `ops.<asset>.config.<field>`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import dagster as dg
+from pydantic import ValidationError
+
+from training_core.errors import ConfigError
+
+
+def refuse_invalid_run_config(context: dg.AssetExecutionContext) -> None:
+    """Raise a dg.Failure naming every invalid asset setting of this run; call first in each asset."""
+    try:
+        job_def, run_config = context.job_def, context.run.run_config
+    except dg.DagsterError:  # invoked directly (`asset(build_asset_context(), ...)`): no run, no other assets
+        return
+    if problems := run_config_problems(job_def, run_config):
+        raise dg.Failure(f"invalid run config, refused before this step did any work: {'; '.join(problems)}")
+
+
+def run_config_problems(job_def: dg.JobDefinition, run_config: dict) -> list[str]:
+    """`ops.<asset>.config[.<field>]: why` for each setting the assets' steps would refuse."""
+    # Resolved as Dagster resolves it for each step: defaults filled in, {env: VAR} values read.
+    ops = dg.validate_run_config(job_def, run_config).get("ops", {})
+    return [problem for asset, (config_class, combination_check) in _asset_configs().items() if asset in ops
+            for problem in _problems(asset, ops[asset].get("config") or {}, config_class, combination_check)]
+
+
+def _asset_configs() -> dict[str, tuple[type[dg.Config], Callable | None]]:
+    """Each asset's Config class and the method that checks its fields together (None: no such method)."""
+    # Imported when called: the asset modules import this one.
+    from assets.data_assets import RawExamplesConfig, TrainingDatasetConfig
+    from assets.evaluation_assets import EvaluationConfig
+    from assets.model_assets import BaseModelConfig
+    from assets.training_assets import TrainingRunConfig
+
+    return {
+        "raw_examples": (RawExamplesConfig, None),
+        "training_dataset": (TrainingDatasetConfig, None),
+        "base_model": (BaseModelConfig, None),
+        "lora_adapter": (TrainingRunConfig, TrainingRunConfig.training_config),  # the training config's checks
+        "evaluation": (EvaluationConfig, EvaluationConfig.settings),
+    }
+
+
+def _problems(asset: str, values: dict, config_class: type[dg.Config], combination_check: Callable | None) -> list[str]:
+    prefix = f"ops.{asset}.config"
+    try:
+        config = config_class(**values)
+    except ValidationError as error:
+        return [_describe(prefix, config_class, error_detail) for error_detail in error.errors()]
+    if combination_check is None:
+        return []
+    try:
+        combination_check(config)
+    except ConfigError as error:
+        if isinstance(error.__cause__, ValidationError):  # the training config's own fields
+            return [_describe(prefix, config_class, detail) for detail in error.__cause__.errors()]
+        return [f"{prefix}: {error}"]
+    return []
+
+
+def _describe(prefix: str, config_class: type[dg.Config], detail: dict) -> str:
+    """`ops.<asset>.config.<field>: why`. A nested location (the training config's lora.r) names the
+    launchpad field it comes from (lora_r); one that names no field (a combination) names the config."""
+    loc = [str(part) for part in detail["loc"]]
+    fields = config_class.model_fields
+    field = next((name for name in ("_".join(loc), loc[0] if loc else "") if name in fields), None)
+    message = detail["msg"].removeprefix("Value error, ")
+    if detail["type"] != "value_error":  # pydantic's own messages do not say what they got
+        message += f", got {detail['input']!r}"
+    return f"{prefix}.{field}: {message}" if field else f"{prefix}: {message}"
