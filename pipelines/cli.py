@@ -183,11 +183,11 @@ def main(argv: list[str] | None = None) -> int:
                     "with the recorded config and seeds, and print recorded vs reproduced metrics. Exit status: "
                     "0 all metrics equal, 1 some differ, 2 cannot reproduce (the reason is printed). Trains on "
                     "$TESSERA_RAY_ADDRESS when set, else on in-process Ray. Reads the run from --tracking-uri, else "
-                    "$MLFLOW_TRACKING_URI, else the state folder's mlflow.db.")
+                    "the state folder's mlflow.db.")
     p_repro.add_argument("run_id", help="MLflow run id of the training run (the lora_adapter asset's mlflow_run)")
     p_repro.add_argument("--home", help="state directory that recorded the run (default $TESSERA_HOME or .tessera/)")
     p_repro.add_argument("--tracking-uri", help="MLflow tracking URI that recorded the run, e.g. a tracking server "
-                         "(default $MLFLOW_TRACKING_URI, else sqlite:///<home>/mlflow.db)")
+                         "(on Kubernetes: --tracking-uri \"$MLFLOW_TRACKING_URI\"; default sqlite:///<home>/mlflow.db)")
     p_repro.set_defaults(handler=reproduce)
     p_free = sub.add_parser(
         "free-slots", help="fail runs whose process was killed, freeing their training pool slots",

@@ -25,22 +25,20 @@ from training_core.reproduce import compare_runs, lineage_drift, load_recorded_r
 from training_core.runs import run_tracked_training
 
 
-TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
-
-
 def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None) -> int:
     """``tracking_uri``: the MLflow store that recorded the run (a tracking server, as the Kubernetes
-    deployment's); default $MLFLOW_TRACKING_URI, else the state folder's mlflow.db."""
+    deployment's); default the state folder's mlflow.db, as the local code location records. Only
+    given explicitly: an MLFLOW_TRACKING_URI exported for other work is not where local runs are."""
     # The code location's own wiring: the same state folder, MLflow store and Ray address.
     resources = local_resources()
     storage, tracker, cache = resources["storage"], resources["mlflow_tracker"], resources["cache"]
-    if tracking_uri := tracking_uri or os.environ.get(TRACKING_URI_ENV):
+    if tracking_uri:
         tracker = MlflowTracker(storage=storage, tracking_uri=tracking_uri)
     store = storage.root / "mlflow.db"
     if tracker.tracking_uri is None and not store.is_file():  # MLflow would create an empty one
         console.print(f"[red]cannot reproduce:[/] no MLflow store at {escape(str(store))}; pass --home "
                       f"(or TESSERA_HOME) of the state folder that recorded run {escape(run_id)}, or --tracking-uri "
-                      f"(or {TRACKING_URI_ENV}) of the MLflow server that tracked it")
+                      f"of the MLflow server that tracked it")
         return 2
     try:
         tracking = tracker.client()

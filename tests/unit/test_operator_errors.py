@@ -39,9 +39,10 @@ def test_code_version_counts_files_git_does_not_track_yet_and_leaves_ignored_one
     repo = tmp_path / "repo"
     repo.mkdir()
     _git(repo, "init", "-q")
-    (repo / "train.py").write_text("x = 1\n")
+    (repo / "training_core").mkdir()  # code is Python in Tessera's packages (lineage.CODE_PACKAGES)
+    (repo / "training_core" / "train.py").write_text("x = 1\n")
     (repo / ".gitignore").write_text("state/\n")
-    _git(repo, "add", "train.py", ".gitignore")
+    _git(repo, "add", "training_core/train.py", ".gitignore")
     _git(repo, "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-qm", "init")
     sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
                          check=True).stdout.strip()
@@ -51,15 +52,15 @@ def test_code_version_counts_files_git_does_not_track_yet_and_leaves_ignored_one
     assert code_version(repo) == sha
 
     # A new module never `git add`ed: a run with other code must not look like the committed one.
-    (repo / "scale.py").write_text("LEARNING_RATE_SCALE = 1.0\n")
+    (repo / "training_core" / "scale.py").write_text("LEARNING_RATE_SCALE = 1.0\n")
     first = code_version(repo)
     assert first.startswith(f"{sha}-dirty-")
-    (repo / "scale.py").write_text("LEARNING_RATE_SCALE = 10.0\n")
+    (repo / "training_core" / "scale.py").write_text("LEARNING_RATE_SCALE = 10.0\n")
     second = code_version(repo)
     assert second.startswith(f"{sha}-dirty-") and second != first
     assert code_version(repo) == second  # deterministic: a relaunch of the same tree reuses its run
 
-    (repo / "scale.py").unlink()
+    (repo / "training_core" / "scale.py").unlink()
     assert code_version(repo) == sha
 
 
@@ -114,7 +115,7 @@ def test_an_unexpected_error_in_reproduce_exits_2_not_1_which_means_metrics_diff
     import pipelines.reproduce
     from pipelines.cli import main
 
-    def fails_unexpectedly(run_id, console):
+    def fails_unexpectedly(run_id, console, tracking_uri=None):
         raise RuntimeError("worker group lost\nsecond line of detail")
 
     monkeypatch.setenv("TESSERA_HOME", str(tmp_path))

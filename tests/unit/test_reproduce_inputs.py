@@ -350,7 +350,9 @@ def _store_outside_the_state_folder(tmp_path: Path) -> tuple[Path, str, str]:
     return home, uri, run_id
 
 
-def test_reproduce_reads_the_run_from_mlflow_tracking_uri(tmp_path, monkeypatch):
+def test_reproduce_reads_the_state_folders_store_whatever_mlflow_tracking_uri_says(tmp_path, monkeypatch):
+    # Local runs are recorded in $TESSERA_HOME/mlflow.db; a variable exported for other MLflow work is not
+    # where they are (nor where a reproduction may create an experiment).
     from pipelines.reproduce import reproduce_run
 
     home, uri, run_id = _store_outside_the_state_folder(tmp_path)
@@ -358,7 +360,7 @@ def test_reproduce_reads_the_run_from_mlflow_tracking_uri(tmp_path, monkeypatch)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     output = StringIO()
     assert reproduce_run(run_id, Console(file=output, width=300)) == 2
-    assert f"cannot reproduce: run {run_id}: dataset {tmp_path / 'd'} is gone" in output.getvalue()
+    assert f"no MLflow store at {home / 'mlflow.db'}" in output.getvalue()
     assert not (home / "mlflow.db").exists()
 
 
