@@ -99,6 +99,18 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
     return daily_retrain_schedule
 
 
+def _runs_in_progress(instance: dg.DagsterInstance, days: list[str]) -> dict[str, str]:
+    """{day: id of a run of that partition that is queued or running} for the days that have one."""
+    unfinished = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+                  dg.DagsterRunStatus.STARTED]
+    building = {}
+    for day in days:
+        runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/partition": day}, statuses=unfinished), limit=1)
+        if runs:
+            building[day] = runs[0].run_id
+    return building
+
+
 # What a training window reads from an earlier day: its warmed cache (and the dataset behind it).
 WINDOW_DAY_ASSETS = ("raw_examples", "training_dataset", "row_group_cache")
 
@@ -112,6 +124,13 @@ def _skip_unless_window_materialized(instance: dg.DagsterInstance, day: str, ear
         dg.AssetRecordsFilter(asset_key=dg.AssetKey("row_group_cache"), asset_partitions=[earlier]), limit=1).records]
     if not missing:
         return None
+    if building := _runs_in_progress(instance, missing):  # a day's run queued or running: not a backfill to launch
+        return dg.SkipReason(
+            f"not starting train_and_promote for {day}: its training window also reads "
+            f"{', '.join(sorted(building))}, whose row_group_cache run{'s are' if len(building) > 1 else ' is'} still "
+            f"queued or running ({', '.join(f'{d}: run {building[d]}' for d in sorted(building))}); launch "
+            f"train_and_promote for {day} once {'they have' if len(building) > 1 else 'it has'} succeeded"
+        )
     # The backfill's training_dataset reads base_model: include it where no run has built it yet.
     selection = ([] if instance.fetch_materializations(dg.AssetKey("base_model"), limit=1).records
                  else ["base_model"]) + list(WINDOW_DAY_ASSETS)

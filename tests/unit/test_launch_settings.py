@@ -15,6 +15,7 @@ from pipelines.definitions import defs
 from pipelines.graph import ASSETS
 from pipelines.resources_local import local_resources
 
+
 JOB = defs.resolve_job_def("train_and_promote")
 
 
@@ -102,6 +103,18 @@ def test_the_schedule_skips_a_day_whose_window_holds_a_day_never_materialized(mo
         instance.report_runless_asset_event(dg.AssetMaterialization("base_model"))
         assert "Backfill assets raw_examples,training_dataset,row_group_cache for partition 2026-11-02, then " \
                "launch train_and_promote for 2026-11-03" in _tick(instance, 4).skip_message
+
+
+def test_the_schedule_waits_for_an_earlier_days_run_that_is_still_going_instead_of_asking_for_a_backfill():
+    with dg.instance_for_test() as instance:
+        running = instance.create_run_for_job(JOB, run_id=None, tags={"dagster/partition": "2026-11-01"},
+                                              status=dg.DagsterRunStatus.STARTED)
+        assert _tick(instance, 3).skip_message == (
+            "not starting train_and_promote for 2026-11-02: its training window also reads 2026-11-01, whose "
+            f"row_group_cache run is still queued or running (2026-11-01: run {running.run_id}); launch "
+            "train_and_promote for 2026-11-02 once it has succeeded")
+        instance.report_run_failed(running)  # a failed run builds nothing: the backfill is named again
+        assert "Backfill assets" in _tick(instance, 3).skip_message
 
 
 def test_the_skipped_ticks_backfill_names_the_schedules_run_config(tmp_path, monkeypatch):
