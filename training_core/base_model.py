@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,10 +64,15 @@ class BaseModelRef:
 
 
 HUB_DIGEST_PREFIX = "hub:"
-# What from_pretrained reads of a model repo: configs, safetensors weights and their index, tokenizer
-# files. Not the whole repo: many hold the same weights again as .bin, ONNX or GGUF.
-_HUB_MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-_HUB_BIN_WEIGHTS = ["pytorch_model*.bin"]  # older repos have no safetensors
+# What from_pretrained reads of a model repo besides weights: configs (the weights' index among them)
+# and tokenizer files.
+_HUB_CONFIG_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+# The weights from_pretrained loads, in its order of preference: (index of a sharded checkpoint, single
+# file). Named exactly, not "*.safetensors": many repos hold the same weights again (Mistral's
+# consolidated.safetensors next to its shards, .bin copies, ONNX, GGUF).
+_HUB_WEIGHT_FORMATS = (("model.safetensors.index.json", "model.safetensors"),
+                       ("pytorch_model.bin.index.json", "pytorch_model.bin"))  # older repos have no safetensors
+_COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
 # huggingface_hub's own errors are OSErrors (not cached offline, unknown repo or revision, HTTP) or
 # ValueErrors (a malformed repo id); a connection failure outside snapshot_download is httpx2's.
 _HUB_ERRORS: tuple[type[Exception], ...] = (OSError, ValueError)
@@ -92,6 +98,18 @@ class HubRevision:
         return f"{HUB_DIGEST_PREFIX}{self.repo_id}@{self.commit}"
 
 
+def hub_revision_of_snapshot(path: str | Path) -> HubRevision | None:
+    """The hub repo and commit a Hugging Face cache snapshot folder holds
+    (``.../models--{org}--{name}/snapshots/{sha}``, ``models--{name}`` for a repo without org), or None
+    for any other folder. huggingface_hub refuses "--" in repo ids, so the folder name splits back."""
+    path = Path(path)
+    repo_folder = path.parent.parent.name
+    in_a_model_cache = path.parent.name == "snapshots" and repo_folder.startswith("models--")
+    if not in_a_model_cache or not _COMMIT_SHA.fullmatch(path.name):
+        return None
+    return HubRevision(repo_folder.removeprefix("models--").replace("--", "/"), path.name)
+
+
 def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     """The local snapshot folder of a hub model at ``revision`` (a branch, tag or commit sha; None: the
     default branch), with what from_pretrained loads downloaded into the Hugging Face cache unless it is
@@ -99,10 +117,25 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     (a branch as the cache last saw it). Raises OSError / ValueError when that revision cannot be had."""
     from huggingface_hub import snapshot_download
 
-    folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_MODEL_FILES))
-    if not any(folder.glob("*.safetensors")):
-        snapshot_download(repo_id, revision=folder.name, allow_patterns=_HUB_BIN_WEIGHTS)
+    folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HUB_CONFIG_FILES))
+    for index, single_file in _HUB_WEIGHT_FORMATS:
+        weights = hub_weight_files(folder, index, single_file)
+        snapshot_download(repo_id, revision=folder.name, allow_patterns=weights)
+        if all((folder / name).is_file() for name in weights):
+            break
     return folder
+
+
+def hub_weight_files(snapshot: Path, index: str, single_file: str) -> list[str]:
+    """The weight files of one format to download into a snapshot folder that holds its configs: the
+    shards the format's index (already downloaded) names in its weight_map, else the single file."""
+    if not (snapshot / index).is_file():
+        return [single_file]
+    try:
+        weight_map = json.loads((snapshot / index).read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{snapshot / index}: not a weights index with a weight_map ({error})") from error
+    return sorted(set(weight_map.values()))
 
 
 def hub_branch_commit(repo_id: str, branch: str = "main") -> str | None:

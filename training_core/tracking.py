@@ -181,11 +181,16 @@ class ModelRegistry:
             return None
 
     def base_model_of(self, version) -> str:
-        """The base model a registered version was trained on (its run's lineage). Raises
-        ``LineageError`` naming the version and run when that run is gone (deleted, then removed by
-        ``mlflow gc``) or recorded no ``base_model`` param. Other MLflow errors (a tracking server
+        """The base model a registered version was trained on (its run's lineage). A hub model is
+        recorded as its snapshot folder in the Hugging Face cache of the machine that trained it; when
+        that folder is not here (cache cleaned, another HF_HOME or machine), the recorded commit is
+        fetched again (from the cache, or the hub unless HF_HUB_OFFLINE). Raises ``LineageError`` naming
+        the version and run when that run is gone (deleted, then removed by ``mlflow gc``), recorded no
+        ``base_model`` param, or its hub commit cannot be had. Other MLflow errors (a tracking server
         that does not answer) propagate: they say nothing about the version."""
         from mlflow.exceptions import MlflowException
+
+        from training_core.base_model import HubRevision, hub_snapshot
 
         try:
             run = self.client.get_run(version.run_id)
@@ -199,7 +204,16 @@ class ModelRegistry:
         if not base_model:
             raise LineageError(f"{self._describe(version)}: its run records no 'base_model' param, so its base "
                                "model is unknown")
-        return base_model
+        hub = HubRevision.from_digest(run.data.params.get("base_model_digest", ""))
+        if hub is None or hub.commit is None or Path(base_model).is_dir():
+            return base_model
+        try:
+            return str(hub_snapshot(hub.repo_id, hub.commit))
+        except (OSError, ValueError) as error:  # not cached offline, gone from the hub, no network
+            raise LineageError(
+                f"{self._describe(version)}: its base model {hub.repo_id} at commit {hub.commit} cannot be loaded: "
+                f"not at the recorded {base_model}, and not to be had from the Hugging Face cache or hub "
+                f"({type(error).__name__}: {error})") from error
 
     def download(self, version, destination: Path) -> str:
         """The local model dir of a registered version, e.g. the `champion()` (its base model:

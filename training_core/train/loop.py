@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
+from training_core.base_model import hub_revision_of_snapshot
 from training_core.errors import ConfigError
 from training_core.train.batches import EpochBatches
 from training_core.train.checkpointing import (
@@ -346,17 +347,27 @@ def _save_final_model(engine, directory: Path, rank: int) -> None:
     elif rank == 0:
         module.save_pretrained(directory)
     if rank == 0:
-        _sort_adapter_config(directory / "adapter_config.json")
+        finish_adapter_config(directory)
 
 
-def _sort_adapter_config(path: Path) -> None:
-    """PEFT writes target_modules from a Python set, whose order changes with the hash seed; sort
-    it so that identical runs produce byte-identical adapter folders."""
+def finish_adapter_config(directory: Path) -> None:
+    """Rewrite what PEFT saved in an adapter folder so that it is repeatable and loads elsewhere.
+    PEFT writes target_modules from a Python set, whose order changes with the hash seed: sorted, so
+    identical runs produce byte-identical adapter folders. A hub base model is loaded from its snapshot
+    folder in this machine's Hugging Face cache, which PEFT names as the base model (in the config and
+    the model card): named by repo id and commit instead, as AutoPeftModel and the hub read them."""
+    path = directory / "adapter_config.json"
     if not path.exists():
         return
     config = json.loads(path.read_text())
     if isinstance(config.get("target_modules"), list):
         config["target_modules"] = sorted(config["target_modules"])
+    snapshot = config.get("base_model_name_or_path") or ""
+    if (hub := hub_revision_of_snapshot(snapshot)) is not None:
+        config["base_model_name_or_path"], config["revision"] = hub.repo_id, hub.commit
+        card = directory / "README.md"
+        if card.is_file():
+            card.write_text(card.read_text().replace(snapshot, hub.repo_id))
     path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
