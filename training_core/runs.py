@@ -197,6 +197,10 @@ def run_tracked_training(
             cache_dir=inputs.cache_directory,
             cache_size_limit_bytes=inputs.cache_size_limit_bytes,
             cache_policy=inputs.cache_policy,
+            # Content, not paths: the run name already holds these digests, and a base-model folder
+            # moved with the same files (or a hub snapshot in another HF_HOME) must still resume.
+            base_model_identity=f"base model {inputs.base_model_digest}",
+            training_data_identity=[f"dataset {inputs.dataset_digest}"],
             storage_path=Path(ray_storage),
             run_name=name,
             output_dir=models_dir,

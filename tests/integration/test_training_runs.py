@@ -5,6 +5,8 @@ Runs are cached per module: each costs ~15 s of Ray worker start-up on two cores
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -39,8 +41,10 @@ def train(ray_session, demo_model, demo_dataset, tmp_path_factory):
 
     results: dict[str, object] = {}
 
-    def run(name: str, config: TrainingConfig, fault_step: int | None = None, run_name: str | None = None):
-        """``run_name`` (default ``name``): the Ray Train run; the same one again relaunches it."""
+    def run(name: str, config: TrainingConfig, fault_step: int | None = None, run_name: str | None = None,
+            **launch):
+        """``run_name`` (default ``name``): the Ray Train run; the same one again relaunches it.
+        ``launch``: other run_training arguments (model_path by default the demo model's)."""
         if name in results:
             return results[name]
         mp = pytest.MonkeyPatch()
@@ -50,9 +54,9 @@ def train(ray_session, demo_model, demo_dataset, tmp_path_factory):
             mp.delenv(FAULT_STEP_ENV, raising=False)
         try:
             results[name] = run_training(
-                config, model_path=demo_model.name_or_path, train_dirs=[str(demo_dataset.train_dir)],
-                seq_len=demo_dataset.seq_len, cache_dir=str(root / "cache"), storage_path=root / "ray",
-                run_name=run_name or name, output_dir=root / "models",
+                config, train_dirs=[str(demo_dataset.train_dir)], seq_len=demo_dataset.seq_len,
+                cache_dir=str(root / "cache"), storage_path=root / "ray", run_name=run_name or name,
+                output_dir=root / "models", **{"model_path": demo_model.name_or_path, **launch},
             )
         finally:
             mp.undo()
@@ -249,7 +253,8 @@ def test_a_finished_run_keeps_no_engine_state_and_relaunches_from_its_final_chec
     assert all(_weights(again)[key].equal(weights[key]) for key in weights)
 
 
-def test_relaunching_a_run_with_another_config_is_refused_before_any_worker_starts(train):
+def test_relaunching_a_run_with_other_settings_or_inputs_is_refused_before_any_worker_starts(
+        train, demo_model, tmp_path):
     from training_core.errors import ConfigError
 
     result = train("lora-2w", _config())
@@ -259,6 +264,17 @@ def test_relaunching_a_run_with_another_config_is_refused_before_any_worker_star
     with pytest.raises(ConfigError, match=r"holds a finished run .* started with other settings: learning_rate: "
                                           r"0\.003 → 0\.001; max_steps: 30 → 40\. Use another run_name"):
         train("lora-2w-other-config", _config(max_steps=40, learning_rate=1e-3), run_name="lora-2w")
+
+    # The base model is compared as the caller identifies it: by default its path, so a copy elsewhere is
+    # another model...
+    moved = shutil.copytree(demo_model.name_or_path, tmp_path / "moved-base")
+    with pytest.raises(ConfigError, match=rf"base model: {re.escape(demo_model.name_or_path)} → {re.escape(str(moved))}"):
+        train("lora-2w-moved-base", _config(), run_name="lora-2w", model_path=str(moved))
+    # ...unless named by its content, as the tracked path does with digests: then the run goes on (here,
+    # finished, it is reported again).
+    again = train("lora-2w-moved-same-identity", _config(), run_name="lora-2w", model_path=str(moved),
+                  base_model_identity=demo_model.name_or_path)
+    assert again.loss_history == result.loss_history and again.restarts == 0
 
 
 def test_relaunching_a_finished_run_reports_the_same_model_without_training(train):

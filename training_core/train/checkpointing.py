@@ -55,12 +55,13 @@ class TrainingProgress:
     world_size: int = 1
     # What the run trains, recorded when it starts (`record_run_settings`), so that a relaunch under
     # the same run name with other settings is refused (`settings_changed_since`) instead of resuming
-    # or reporting this run; the digest is the lineage's config_digest. None in checkpoints written
-    # before they were recorded.
+    # or reporting this run; the digest is the lineage's config_digest. The base model and training
+    # data as the launcher identified them (content digests on the tracked path, else their paths).
+    # None in checkpoints written before they were recorded.
     config_digest: str | None = None
     config: dict | None = None
     base_model: str | None = None
-    train_dirs: list[str] | None = None
+    training_data: list[str] | None = None
 
 
 # Settings that change how or where a run executes, not what it trains: a relaunch may change them.
@@ -72,15 +73,15 @@ SETTINGS_A_RELAUNCH_MAY_CHANGE = frozenset({
 
 
 def record_run_settings(progress: TrainingProgress, config: TrainingConfig, base_model: str,
-                        train_dirs: list[str]) -> None:
+                        training_data: list[str]) -> None:
     progress.config_digest = config.digest()
     progress.config = config.model_dump(mode="json")
     progress.base_model = base_model
-    progress.train_dirs = list(train_dirs)
+    progress.training_data = list(training_data)
 
 
 def settings_changed_since(progress: TrainingProgress, config: TrainingConfig, base_model: str,
-                           train_dirs: list[str]) -> list[str]:
+                           training_data: list[str]) -> list[str]:
     """How a relaunch's settings differ from those the checkpoint's run was started with
     ("learning_rate: 0.05 → 0.001", "base model: a → b"), [] when they do not. A checkpoint written
     before the settings were recorded carries none: it is accepted, as such relaunches always were."""
@@ -92,16 +93,16 @@ def settings_changed_since(progress: TrainingProgress, config: TrainingConfig, b
                 changes.append(f"{name}: {recorded.get(name, '(unset)')!r} → {wanted.get(name, '(unset)')!r}")
     if progress.base_model is not None and progress.base_model != base_model:
         changes.append(f"base model: {progress.base_model} → {base_model}")
-    if progress.train_dirs is not None and progress.train_dirs != list(train_dirs):
-        changes.append(f"training data: {', '.join(progress.train_dirs)} → {', '.join(train_dirs)}")
+    if progress.training_data is not None and progress.training_data != list(training_data):
+        changes.append(f"training data: {', '.join(progress.training_data)} → {', '.join(training_data)}")
     return changes
 
 
 def refuse_changed_settings(run_directory: str | Path, checkpoint_name: str, progress: TrainingProgress,
-                            config: TrainingConfig, base_model: str, train_dirs: list[str]) -> None:
+                            config: TrainingConfig, base_model: str, training_data: list[str]) -> None:
     """Raise a ConfigError when a relaunch would resume or report a run started with other settings
     (`settings_changed_since`)."""
-    if changes := settings_changed_since(progress, config, base_model, train_dirs):
+    if changes := settings_changed_since(progress, config, base_model, training_data):
         state = "a finished run" if progress.finished else "an unfinished run"
         raise ConfigError(
             f"run folder {run_directory} holds {state} (checkpoint {checkpoint_name}, step {progress.step}) started "

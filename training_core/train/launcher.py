@@ -72,8 +72,8 @@ def check_epochs_hold_an_optimizer_step(config: TrainingConfig, rows: int) -> No
         )
 
 
-def check_relaunch_settings(config: TrainingConfig, run_directory: Path, model_path: str,
-                            train_dirs: list[str]) -> None:
+def check_relaunch_settings(config: TrainingConfig, run_directory: Path, base_model: str,
+                            training_data: list[str]) -> None:
     """Refuse a relaunch under the run name of a run started with other settings: its workers
     would report a finished run's model as this config's, resume an unfinished one with some
     settings restored from the engine state (DeepSpeed restores the learning rate), or fail in
@@ -85,7 +85,7 @@ def check_relaunch_settings(config: TrainingConfig, run_directory: Path, model_p
         progress = load_progress(checkpoint)
     except (OSError, ValueError, TypeError, KeyError):
         return  # the workers report an unreadable checkpoint by name
-    refuse_changed_settings(run_directory, checkpoint.name, progress, config, model_path, train_dirs)
+    refuse_changed_settings(run_directory, checkpoint.name, progress, config, base_model, training_data)
 
 
 def check_relaunch_world_size(config: TrainingConfig, run_directory: Path) -> None:
@@ -123,10 +123,14 @@ def run_training(
     max_failures: int = 2,
     cache_size_limit_bytes: int | None = None,
     cache_policy: str = "evict",
+    base_model_identity: str | None = None,
+    training_data_identity: list[str] | None = None,
 ) -> TrainingResult:
     """Train on Ray; reruns with the same `run_name` and storage resume from the last checkpoint.
     ``cache_size_limit_bytes`` / ``cache_policy``: those the cache in ``cache_dir`` was warmed with
-    (default: the config's cache_size_limit_bytes, evict)."""
+    (default: the config's cache_size_limit_bytes, evict). ``base_model_identity`` /
+    ``training_data_identity``: what a relaunch of `run_name` must train on too, else it is refused
+    (default: ``model_path`` and ``train_dirs``; content digests let a moved folder resume)."""
     import ray.train
     from ray.train.torch import TorchConfig
 
@@ -151,11 +155,13 @@ def run_training(
         fault_marker=str(storage_path / run_name / "fault-injected") if fault_step else None,
         run_directory=str(storage_path / run_name),
         launched_at=time.time(),
+        base_model_identity=base_model_identity,
+        training_data_identity=training_data_identity,
     )
     use_quick_health_checks()
     set_aside_unusable_ray_snapshot(storage_path / run_name, ray.__version__)
     # After: both read the list Ray will use.
-    check_relaunch_settings(config, storage_path / run_name, model_path, train_dirs)
+    check_relaunch_settings(config, storage_path / run_name, *inputs.trained_on())
     check_relaunch_world_size(config, storage_path / run_name)
     trainer = torch_trainer_class()(
         train_loop_per_worker,

@@ -74,6 +74,13 @@ class WorkerInputs:
     # reading with another would evict what warming kept.
     cache_size_limit_bytes: int | None = None
     cache_policy: str = "evict"
+    # What a relaunch of this run must train on too (None: model_path, train_dirs).
+    base_model_identity: str | None = None
+    training_data_identity: list[str] | None = None
+
+    def trained_on(self) -> tuple[str, list[str]]:
+        """(base model, training data) as the relaunch check compares them."""
+        return self.base_model_identity or self.model_path, list(self.training_data_identity or self.train_dirs)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -162,7 +169,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
     # A fresh start, or an unfinished run from before settings were recorded (it trains on with these);
     # such a finished run was trained with settings nobody knows: it stays without a record.
     if progress.config_digest is None and not progress.finished:
-        record_run_settings(progress, config, inputs.model_path, inputs.train_dirs)
+        record_run_settings(progress, config, *inputs.trained_on())
 
     batches = EpochBatches(inputs, config, rank, world_size, progress.epoch, loader_state)
     startup.mark("resume_and_loader")
@@ -297,7 +304,7 @@ def _resume(
     with _checkpoint_directory(checkpoint) as directory:
         # The driver checked the checkpoint it expected Ray to hand over; this is the one it did.
         refuse_changed_settings(inputs.run_directory or directory.parent, directory.name, load_progress(directory),
-                                config, inputs.model_path, inputs.train_dirs)
+                                config, *inputs.trained_on())
         progress, loader_state = restore_checkpoint(directory, engine, rank)
     if not progress.finished:  # relaunching a finished run is a no-op, not a restart
         progress.restarts += 1
