@@ -124,6 +124,23 @@ def test_transient_read_errors_are_retried(tmp_path):
     assert fs.failures == 0
 
 
+def test_retries_wait_with_growing_delays():
+    # back-to-back retries would hit a struggling object store again at once; the waits double
+    from training_core.data.parquet_files import retry_storage_errors
+
+    attempts: list[float] = []
+
+    def read() -> str:
+        attempts.append(time.monotonic())
+        if len(attempts) < 4:
+            raise ConnectionResetError(104, "simulated connection reset")
+        return "rows"
+
+    assert retry_storage_errors(read, "a.parquet row group 0", max_attempts=4, backoff_s=0.05) == "rows"
+    gaps = [later - earlier for earlier, later in zip(attempts, attempts[1:])]
+    assert all(gap >= 0.99 * wait for gap, wait in zip(gaps, (0.05, 0.1, 0.2))), f"waits between attempts: {gaps}"
+
+
 def test_a_transient_error_reading_a_footer_while_listing_is_retried(tmp_path):
     data = write_dataset(tmp_path / "d", rows=100, row_group_size=100)
 

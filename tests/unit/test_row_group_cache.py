@@ -134,6 +134,32 @@ def test_rewritten_file_never_serves_stale_rows(tmp_path):
         assert reader.stats.cache_hits == 0
 
 
+def test_a_local_file_rewritten_with_the_same_size_never_serves_stale_rows(tmp_path):
+    # path and size match the cached entries: only the modification time tells the rewrite apart
+    import io
+
+    def parquet_bytes(values) -> bytes:
+        sink = io.BytesIO()
+        pq.write_table(pa.table({"v": np.asarray(values, dtype=np.int64)}), sink, row_group_size=5)
+        return sink.getvalue()
+
+    first = parquet_bytes(range(10, 20))
+    second = next(data for k in range(1, 1000) if len(data := parquet_bytes(range(1000 * k, 1000 * k + 10))) == len(first))
+    path = tmp_path / "data.parquet"
+    cache = CacheConfig(tmp_path / "cache", 2**26, shards=1)
+    path.write_bytes(first)
+    with RowGroupReader(path, batch_size=10, shuffle=False, cache=cache) as reader:
+        assert next(iter(reader))["v"].tolist() == list(range(10, 20))
+        first_mtime = reader.dataset.files[0].mtime_ns
+    path.write_bytes(second)
+    os.utime(path, ns=(first_mtime + 10**9, first_mtime + 10**9))  # a later mtime even on a coarse clock
+    expected = pq.read_table(io.BytesIO(second))["v"].to_pylist()
+    with RowGroupReader(path, batch_size=10, shuffle=False, cache=cache) as reader:
+        assert reader.dataset.files[0].size == len(first)
+        assert next(iter(reader))["v"].tolist() == expected
+        assert reader.stats.cache_hits == 0
+
+
 def test_a_file_rewritten_with_the_same_size_on_a_filesystem_without_mtimes_never_serves_stale_rows(tmp_path):
     # fsspec's memory:// (and backends that name the time otherwise) report no mtime: the identity
     # falls back to the footer's digest, so a same-size rewrite still misses the cache.
@@ -232,14 +258,18 @@ def test_evict_refuses_an_entry_too_big_beside_the_sqlite_pages_without_evicting
     cache.close()
 
 
-def _writer(directory: str, policy: str, start: int, result, batch: int) -> None:
-    cache = RowGroupCache(CacheConfig(directory, 1_500_000, policy=policy, shards=2))
+def _writer(directory: str, policy: str, start: int, barrier, result, batch: int) -> None:
+    cache = RowGroupCache(CacheConfig(directory, 1_500_000, policy=policy, shards=1))  # one shard: every store contends
+    barrier.wait(timeout=60)  # both processes store at once, so each transaction races the other's
     peak, torn = 0, 0
-    for i in range(start, start + 40, batch):
+    for i in range(start, start + 300, batch):
+        # sizes from 10 to 210 kB: a store the peer commits meanwhile changes the volume, so
+        # a volume read outside the lock would leave too little room for this store
+        sized = [entry(j, rows=100 + (j * 7919) % 2000) for j in range(i, i + batch)]
         if batch == 1:
-            cache.put(f"k{i}", entry(i))
+            cache.put(f"k{i}", sized[0])
         else:  # several entries per transaction, as the background writer stores them
-            cache.put_many([stored_entry(f"k{j}", entry(j)) for j in range(i, i + batch)])
+            cache.put_many([stored_entry(f"k{j}", columns) for j, columns in zip(range(i, i + batch), sized)])
         peak = max(peak, cache.volume())
         other = cache.get(f"k{(i + 1000) % 2000}", "peer")  # read what the peer process may be writing
         if other is not None and not np.all(other[0]["x"][:, 0] == other[0]["x"][0, 0]):
@@ -252,16 +282,16 @@ def _writer(directory: str, policy: str, start: int, result, batch: int) -> None
 @pytest.mark.parametrize("policy", ["evict", "stop_admitting"])
 def test_two_processes_never_exceed_the_quota(tmp_path, policy, batch):
     context = multiprocessing.get_context("spawn")
-    result = context.Queue()
+    result, barrier = context.Queue(), context.Barrier(2)
     directory = str(tmp_path / "shared")
-    workers = [context.Process(target=_writer, args=(directory, policy, s, result, batch)) for s in (0, 1000)]
+    workers = [context.Process(target=_writer, args=(directory, policy, s, barrier, result, batch)) for s in (0, 1000)]
     for process in workers:
         process.start()
     outcomes = [result.get(timeout=120) for _ in workers]
     for process in workers:
         process.join(timeout=60)
         assert process.exitcode == 0
-    cache = RowGroupCache(CacheConfig(directory, 1_500_000, policy=policy, shards=2))
+    cache = RowGroupCache(CacheConfig(directory, 1_500_000, policy=policy, shards=1))
     assert cache.volume() <= 1_500_000
     assert len(cache) > 0
     cache.close()
