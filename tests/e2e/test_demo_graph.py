@@ -85,6 +85,11 @@ def test_training_run_records_the_full_lineage_in_mlflow(demo_run):
     history = client.get_metric_history(run.info.run_id, "train_loss")
     assert len(history) == int(run.data.metrics["steps"]) and history[-1].value < history[0].value
     assert run.data.metrics["eval_exact_match"] >= 0.5
+    # The reader's counters (rank 0's) reach MLflow next to the loop's telemetry.
+    metrics = run.data.metrics
+    assert metrics["loader_rows"] > 0 and metrics["loader_batches"] > 0
+    assert metrics["loader_cache_hits"] + metrics["loader_cache_misses"] > 0
+    assert 0.0 <= metrics["loader_consumer_wait_s"] <= metrics["loader_elapsed_s"]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"training_config.json", "deepspeed_config.json", "lineage.json", "loss_curve.png", "model"} <= artifacts
     config = json.loads(Path(client.download_artifacts(run.info.run_id, "deepspeed_config.json")).read_text())

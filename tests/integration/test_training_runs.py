@@ -21,7 +21,8 @@ from training_core.train.launcher import run_training
 
 pytestmark = pytest.mark.integration
 
-DEMO_LORA = LoraSettings(modules_to_save=["embed_tokens", "lm_head"])
+# Dropout > 0: the random state then shapes every step, so a resume that did not restore it diverges.
+DEMO_LORA = LoraSettings(modules_to_save=["embed_tokens", "lm_head"], dropout=0.1)
 # Golden values for the run below (seed 0, data_seed 0, 2 000 demo records, 2 workers × 8 rows):
 # first loss is the untrained model on the first global batch; the tolerance covers BLAS differences
 # between CPUs, not behaviour changes.
@@ -95,6 +96,10 @@ def test_lora_run_learns_and_matches_golden_first_loss(train):
     assert (Path(result.model_dir) / "adapter_config.json").exists()
     telemetry = result.telemetry
     assert telemetry["tokens_per_s"] > 0 and 0.0 <= telemetry["data_stall_fraction"] < 1.0
+    # The reader's counters (rank 0's): every row trained on came through it, via the row-group cache.
+    config = _config()
+    assert telemetry["loader_rows"] == 30 * config.gradient_accumulation_steps * config.micro_batch_size
+    assert telemetry["loader_cache_hits"] + telemetry["loader_cache_misses"] > 0
     assert telemetry["trainable_parameters"] < telemetry["parameters"]
     startup_phases = ["ray_worker_group", "recipe_imports", "deepspeed_import", "process_group", "model_load",
                       "deepspeed_initialize", "resume_and_loader"]
@@ -179,7 +184,7 @@ def test_killed_worker_resumes_bit_identically(train, workers):
 
 ZERO3_SHORT = dict(max_steps=2, zero_stage=3, offload_optimizer="cpu")
 # LoRA only: the whole base model, embeddings included, is frozen and left out of the checkpoints.
-FROZEN_BASE_ZERO3 = dict(lora=LoraSettings(modules_to_save=[]), max_steps=16, checkpoint_every_steps=5,
+FROZEN_BASE_ZERO3 = dict(lora=LoraSettings(modules_to_save=[], dropout=0.1), max_steps=16, checkpoint_every_steps=5,
                          zero_stage=3, offload_optimizer="cpu")
 
 
@@ -220,6 +225,13 @@ def test_zero2_and_zero3_offload_agree_on_first_step(train):
     zero3 = train("first-step-zero3", _config(**ZERO3_SHORT))
     assert zero3.loss_history[0][1] == pytest.approx(zero2.loss_history[0][1], rel=1e-5)
     assert (Path(zero3.model_dir) / "adapter_config.json").exists()
+    # Each ZeRO-3 rank holds a shard of every parameter: saved without gathering them first, the
+    # adapter's tensors are empty (and a ZeRO-3 run compared with another ZeRO-3 run does not see it).
+    zero2_weights, zero3_weights = _weights(zero2), _weights(zero3)
+    assert {k: v.shape for k, v in zero3_weights.items()} == {k: v.shape for k, v in zero2_weights.items()}
+    assert all(v.numel() > 0 and v.isfinite().all() for v in zero3_weights.values())
+    # Two steps moved LoRA B away from its zero init: the saved values are the trained ones.
+    assert any(v.count_nonzero() > 0 for k, v in zero3_weights.items() if "lora_B" in k)
 
 
 def test_full_fine_tuning_trains_and_saves_a_full_model(train):
