@@ -105,16 +105,21 @@ def test_impossible_training_configs_are_rejected(values, message):
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"precision": "bf16"}, "precision='bf16' needs a GPU"),
-        ({"attention": "flash_attention_2"}, "flash_attention_2' needs a GPU"),
-        ({"method": "qlora"}, "bitsandbytes 4-bit\\) needs a GPU"),
-        ({"use_gpu": True}, "no CUDA GPU is visible"),
+        ({"precision": "bf16"}, "precision='bf16' needs a GPU; set use_gpu=True"),
+        ({"attention": "flash_attention_2"}, "flash_attention_2' needs a GPU; set use_gpu=True"),
+        ({"method": "qlora"}, "bitsandbytes 4-bit\\) needs a GPU; set use_gpu=True"),
     ],
 )
-def test_gpu_only_features_rejected_without_gpu(values, message):
-    config = TrainingConfig(**values)
+def test_gpu_only_features_without_use_gpu_are_refused_with_the_config(values, message):
+    # Impossible on any cluster: refused when the config is built (a Dagster run's first step), not after Ray starts.
     with pytest.raises(ConfigError, match=message):
-        config.check_hardware(gpu_available=False)
+        parse_training_config(values)
+    assert parse_training_config({**values, "use_gpu": True, "zero_stage": 2}).use_gpu
+
+
+def test_a_gpu_run_is_refused_where_no_gpu_is_visible():
+    with pytest.raises(ConfigError, match="use_gpu=True but no CUDA GPU is visible"):
+        TrainingConfig(use_gpu=True).check_hardware(gpu_available=False)
 
 
 @pytest.mark.parametrize(("value", "expected"), [

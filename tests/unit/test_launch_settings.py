@@ -37,6 +37,8 @@ def test_every_asset_with_settings_is_checked():
     (_ops("evaluation", batch_size=0, max_loss_ratio=float("nan")),
      ["ops.evaluation.config.max_loss_ratio: Input should be a finite number, got nan",
       "ops.evaluation.config.batch_size: Input should be greater than or equal to 1, got 0"]),
+    (_ops("lora_adapter", precision="bf16"),  # GPU-only without use_gpu: refused before any step, not once Ray is up
+     ["ops.lora_adapter.config: precision='bf16' needs a GPU; set use_gpu=True on a GPU cluster"]),
     (_ops("evaluation", device="cpu", precision="bf16"),  # a combination
      ["ops.evaluation.config: evaluation precision='bf16' needs a GPU; use device='cuda' (or 'auto' on a GPU "
       "machine) or precision='fp32'"]),

@@ -134,12 +134,8 @@ class TrainingConfig(BaseModel):
                              "('auto' picks it from the GPU's name)")
         if self.precision == "fp16":
             raise ValueError("fp16 is not supported: use bf16 on a GPU (no loss scaling needed) or fp32")
-        return self
-
-    def check_hardware(self, gpu_available: bool) -> None:
-        """Reject GPU-only features when no GPU will run the job."""
-        if self.use_gpu and not gpu_available:
-            raise ConfigError("use_gpu=True but no CUDA GPU is visible")
+        # Impossible whatever the cluster holds: refused with the config (a Dagster run's first step),
+        # not once Ray is up.
         if not self.use_gpu:
             for feature, wanted in (
                 ("precision='bf16'", self.precision == "bf16"),
@@ -147,7 +143,14 @@ class TrainingConfig(BaseModel):
                 ("method='qlora' (bitsandbytes 4-bit)", self.method == "qlora"),
             ):
                 if wanted:
-                    raise ConfigError(f"{feature} needs a GPU; set use_gpu=True on a GPU cluster")
+                    raise ValueError(f"{feature} needs a GPU; set use_gpu=True on a GPU cluster")
+        return self
+
+    def check_hardware(self, gpu_available: bool) -> None:
+        """Reject a GPU run where no GPU will run the job (GPU-only features without use_gpu are
+        refused when the config is built)."""
+        if self.use_gpu and not gpu_available:
+            raise ConfigError("use_gpu=True but no CUDA GPU is visible")
 
     def worker_resources(self) -> dict[str, float]:
         """What each Ray Train worker asks for (its ScalingConfig.resources_per_worker)."""
