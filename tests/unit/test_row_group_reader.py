@@ -25,7 +25,7 @@ def same_batches(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=FIXTURE_OK)
+@settings(max_examples=25, deadline=None, suppress_health_check=FIXTURE_OK)
 @given(
     seed=st.integers(0, 10**6),
     epoch=st.integers(0, 3),
@@ -33,14 +33,18 @@ def same_batches(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     batch_size=st.integers(1, 300),
     window=st.integers(1, 4),
     drop_last=st.booleans(),
+    workers=st.sampled_from([1, 2, 4]),
+    cached=st.booleans(),
 )
-def test_reader_matches_reference_order_on_every_rank(ids_dataset, seed, epoch, world_size, batch_size, window,
-                                                      drop_last):
+def test_reader_matches_reference_order_on_every_rank(ids_dataset, tmp_path, seed, epoch, world_size, batch_size,
+                                                      window, drop_last, workers, cached):
+    # One cache for every example: row groups earlier examples stored come back as hits, others as misses.
+    cache = CacheConfig(tmp_path / "cache", 50 * 2**20, shards=2) if cached else None
     per_rank = []
     for rank in range(world_size):
         kwargs = dict(batch_size=batch_size, seed=seed, epoch=epoch, world_size=world_size, rank=rank,
-                      shuffle_buffer_row_groups=window, drop_last=drop_last, workers=2)
-        batches = read_ids(ids_dataset, **kwargs)
+                      shuffle_buffer_row_groups=window, drop_last=drop_last)
+        batches = read_ids(ids_dataset, workers=workers, cache=cache, **kwargs)
         with RowGroupReader(ids_dataset, **kwargs) as reader:
             sizes = reader.dataset.row_group_sizes
         layout = build_epoch_layout(sizes, seed=seed, epoch=epoch, world_size=world_size, batch_size=batch_size,
