@@ -91,7 +91,9 @@ def test_training_run_records_the_full_lineage_in_mlflow(demo_run):
     assert metrics["loader_cache_hits"] + metrics["loader_cache_misses"] > 0
     assert 0.0 <= metrics["loader_consumer_wait_s"] <= metrics["loader_elapsed_s"]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"training_config.json", "deepspeed_config.json", "lineage.json", "loss_curve.png", "model"} <= artifacts
+    assert {"training_config.json", "deepspeed_config.json", "lineage.json", "loss_curve.png", "step_time.png",
+            "model"} <= artifacts
+    assert metrics["peak_memory_mb"] > 0  # per worker, on CPU too (the process's peak RSS)
     config = json.loads(Path(client.download_artifacts(run.info.run_id, "deepspeed_config.json")).read_text())
     assert config["zero_optimization"]["stage"] == 2 and "auto" not in json.dumps(config)
 
