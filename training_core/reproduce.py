@@ -56,7 +56,7 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
     if config_values_digest(recorded_values) != params["config_digest"]:
         raise LineageError(f"run {run_id}: {CONFIG_ARTIFACT} does not match its recorded config_digest")
     config_drift = [(f"config.{name}", "not recorded", f"{value!r} (default)")
-                    for name, value in sorted(config.model_dump(mode="json").items()) if name not in recorded_values]
+                    for name, value in _fields_not_in(config.model_dump(mode="json"), recorded_values)]
 
     datasets = [Path(p) for p in _recorded_dataset_paths(run_id, params["dataset_paths"])]
     digests = []
@@ -99,6 +99,18 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
     except ConfigError as error:
         raise LineageError(f"run {run_id}: its evaluation settings cannot be read back: {error}") from None
     return RecordedRun(run_id, config, inputs, params, eval_settings, config_drift)
+
+
+def _fields_not_in(parsed: dict, recorded: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """(dotted name, value) of the fields in ``parsed`` that ``recorded`` lacks, nested ones too
+    (a field added to the LoRA settings is ``lora.<name>``), sorted by name."""
+    missing = []
+    for name, value in sorted(parsed.items()):
+        if name not in recorded:
+            missing.append((f"{prefix}{name}", value))
+        elif isinstance(value, dict) and isinstance(recorded[name], dict):
+            missing.extend(_fields_not_in(value, recorded[name], f"{prefix}{name}."))
+    return missing
 
 
 def _pinned_hub_snapshot(run_id: str, hub: HubRevision, recorded_folder: Path) -> Path:

@@ -328,12 +328,14 @@ def test_a_config_field_added_since_the_run_is_filled_from_its_default_as_a_note
 
     recorded = TrainingConfig().model_dump(mode="json")
     recorded.pop("peak_flops_preset")  # as recorded by a Tessera before the field existed
+    recorded["lora"].pop("dropout")  # a nested one too
     run_id = _record_run(tracking, tmp_path, [_published_dataset(tmp_path / "d")], config_text=json.dumps(recorded),
                          overrides={"config_digest": hashlib.sha256(json.dumps(recorded, sort_keys=True).encode())
                                     .hexdigest()})
     run = load_recorded_run(tracking, run_id, None)
     assert run.config == TrainingConfig()
-    assert run.config_drift == [("config.peak_flops_preset", "not recorded", "'auto' (default)")]
+    assert run.config_drift == [("config.lora.dropout", "not recorded", "0.0 (default)"),
+                                ("config.peak_flops_preset", "not recorded", "'auto' (default)")]
     output = StringIO()
     print_drift(Console(file=output, width=200), run_id, run.config_drift)
     assert "config.peak_flops_preset: not recorded → 'auto' (default)" in output.getvalue()
