@@ -50,3 +50,17 @@ def garbage_collect_run(tracking_uri: str, run_id: str) -> None:
     gc = subprocess.run([sys.executable, "-m", "mlflow", "gc", "--backend-store-uri", tracking_uri,
                          "--tracking-uri", tracking_uri, "--run-ids", run_id], capture_output=True, text=True)
     assert gc.returncode == 0, gc.stderr
+
+
+def entry(seed: int, rows: int = 1000) -> dict[str, np.ndarray]:
+    """~100 kB, stored as a file; the int32 extremes keep it from being narrowed."""
+    values = np.full((rows, 25), seed, dtype=np.int32)
+    values[:, 1], values[:, 2] = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    return {"x": values}
+
+
+def stored_entry(key: str, arrays: dict[str, np.ndarray]) -> tuple:
+    """``(key, narrowed columns, logical dtypes)``, as the reader hands entries to ``put_many``."""
+    from training_core.data.cache_payload import narrow_columns
+
+    return key, narrow_columns(arrays), {name: array.dtype for name, array in arrays.items()}
