@@ -20,7 +20,7 @@ from training_core.lineage import code_version, installed_version, parse_dataset
 from training_core.runs import TrainingInputs
 from training_core.storage import changed_files, directory_digest
 from training_core.tracking import MlflowTracking
-from training_core.train.config import TrainingConfig, config_values_digest, parse_training_config
+from training_core.train.config import TrainingConfig, config_values_digest, dotted_settings, parse_training_config
 
 CONFIG_ARTIFACT = "training_config.json"
 LINEAGE_PARAMS = (
@@ -101,16 +101,11 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
     return RecordedRun(run_id, config, inputs, params, eval_settings, config_drift)
 
 
-def _fields_not_in(parsed: dict, recorded: dict, prefix: str = "") -> list[tuple[str, object]]:
+def _fields_not_in(parsed: dict, recorded: dict) -> list[tuple[str, object]]:
     """(dotted name, value) of the fields in ``parsed`` that ``recorded`` lacks, nested ones too
     (a field added to the LoRA settings is ``lora.<name>``), sorted by name."""
-    missing = []
-    for name, value in sorted(parsed.items()):
-        if name not in recorded:
-            missing.append((f"{prefix}{name}", value))
-        elif isinstance(value, dict) and isinstance(recorded[name], dict):
-            missing.extend(_fields_not_in(value, recorded[name], f"{prefix}{name}."))
-    return missing
+    recorded_names = dotted_settings(recorded).keys()
+    return sorted((name, value) for name, value in dotted_settings(parsed).items() if name not in recorded_names)
 
 
 def _pinned_hub_snapshot(run_id: str, hub: HubRevision, recorded_folder: Path) -> Path:

@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from training_core.errors import ConfigError
-from training_core.train.config import TrainingConfig
+from training_core.train.config import TrainingConfig, dotted_settings
 
 log = logging.getLogger(__name__)
 
@@ -111,19 +111,12 @@ def refuse_changed_settings(run_directory: str | Path, checkpoint_name: str, pro
 
 
 def _flat_settings(values: dict) -> dict:
-    """A config as TrainingConfig reads it (defaults filled in for fields added since), nested
-    settings named with dots ("lora.r")."""
+    """A config as TrainingConfig reads it (defaults filled in for fields added since), dotted."""
     try:
         values = TrainingConfig.model_validate(values).model_dump(mode="json")
     except ValueError:
         pass  # a field since removed or restricted: compared as recorded
-    flat = {}
-    for name, value in values.items():
-        if isinstance(value, dict):
-            flat.update({f"{name}.{inner}": inner_value for inner, inner_value in value.items()})
-        else:
-            flat[name] = value
-    return flat
+    return dotted_settings(values)
 
 
 def rng_states() -> dict:

@@ -202,6 +202,18 @@ def config_values_digest(values: Mapping) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
 
+def dotted_settings(values: Mapping, prefix: str = "") -> dict[str, object]:
+    """A config's JSON values flattened, nested settings named with dots ("lora.r"): how relaunch
+    refusals and reproduce drift notes name a setting."""
+    flat: dict[str, object] = {}
+    for name, value in values.items():
+        if isinstance(value, Mapping):
+            flat.update(dotted_settings(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
 def _workers_that_fit(node: Mapping[str, float], per_worker: Mapping[str, float]) -> int:
     # Ray keeps resources in fixed point (1e-4): 0.3 GPU × 3 fits 0.9 GPU despite binary floats.
     return min(math.floor(float(node.get(resource, 0.0)) / amount + 1e-6) for resource, amount in per_worker.items())
