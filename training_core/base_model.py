@@ -53,14 +53,14 @@ class TinyLlamaSpec:
 
 @dataclass(frozen=True)
 class BaseModelRef:
-    """What downstream assets receive. `name_or_path` is what `from_pretrained` is called with."""
+    """What downstream assets receive. `name_or_path` is what `from_pretrained` is called with (a hub
+    model's snapshot folder of one commit, named in `digest`)."""
 
     name_or_path: str
     digest: str
     parameters: int
     vocab_size: int | None  # None: the config names none
     source: str  # "demo" or "pretrained"
-    revision: str | None = None  # a hub model's commit sha (name_or_path is its snapshot folder)
 
 
 HUB_DIGEST_PREFIX = "hub:"
@@ -247,7 +247,6 @@ def resolve_pretrained(name_or_path: str, digest_records: Path | None = None) ->
         parameters=0,
         vocab_size=vocab_size(config),  # nested for multimodal configs (Gemma 3's text_config)
         source="pretrained",
-        revision=hub.commit if hub else None,
     )
 
 
