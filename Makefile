@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -q -ra -m "not integration and not e2e"
+	$(VENV)/bin/pytest -q -ra $(PYTEST_ARGS) -m "not integration and not e2e"
 
 ui: $(STAMP)
 	@echo "Dagster UI on http://127.0.0.1:3000, MLflow UI on http://127.0.0.1:5000 (Ctrl-C stops both)"
@@ -45,5 +45,5 @@ bench-loader: $(STAMP)
 bench-train: $(STAMP)
 	$(VENV)/bin/tessera bench train
 
-clean:
+clean:  # the default state folder only: a $TESSERA_HOME elsewhere is the user's to remove
 	rm -rf .tessera

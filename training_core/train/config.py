@@ -188,10 +188,6 @@ class TrainingConfig(BaseModel):
                 f"and {held} (the largest node has {_label(largest, per_worker)}; "
                 f"{_describe_nodes(nodes, per_worker)}); lower {lower}, or train on larger nodes")
 
-    @property
-    def global_batch_rows(self) -> int:
-        return self.micro_batch_size * self.gradient_accumulation_steps * self.num_workers
-
     def digest(self) -> str:
         return config_values_digest(self.model_dump(mode="json"))
 
