@@ -342,3 +342,28 @@ def test_empty_csv_header_names_are_unused_columns_not_repeated_ones(tmp_path):
     path.write_text("prompt,response,,response\nx,y,,z\n")  # a real name repeated is still refused
     with pytest.raises(SourceDataError, match=r"line 1 of .*export\.csv: column\(s\) \['response'\] appear more"):
         read_records(path)
+
+
+def test_linked_folders_and_files_are_read_and_a_dangling_link_is_refused_by_name(tmp_path):
+    # A day's export may link in a region's folder kept elsewhere: it is part of the day, as the
+    # Parquet reader sees it; a link to an ancestor (or a second link to one folder) is read once.
+    store, day = tmp_path / "store", tmp_path / "day"
+    (store / "region-eu").mkdir(parents=True)
+    day.mkdir()
+    (store / "region-eu" / "part-0.jsonl").write_text(_jsonl("eu-1", "eu-2"))
+    (store / "b.jsonl").write_text(_jsonl("b"))
+    (day / "a.jsonl").write_text(_jsonl("a"))
+    (day / "region-eu").symlink_to(store / "region-eu")
+    (day / "region-eu-again").symlink_to(store / "region-eu")
+    (store / "region-eu" / "loop").symlink_to(day)
+    (day / "b.jsonl").symlink_to(store / "b.jsonl")
+    for source in (str(day), f"file://{day}"):
+        records, origins = read_records_with_origins(source)
+        assert [r["prompt"] for r in records] == ["a", "b", "eu-1", "eu-2"]
+        assert origins.describe(3) == f"line 2 of {source}/region-eu/part-0.jsonl"
+
+    (day / "region-us.jsonl").symlink_to(store / "gone.jsonl")
+    for source in (str(day), f"file://{day}"):
+        with pytest.raises(SourceDataError, match=rf"^{source}/region-us\.jsonl: a link to {store}/gone\.jsonl, "
+                                                  r"which leads to no file"):
+            read_records(source)

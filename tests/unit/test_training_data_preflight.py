@@ -83,6 +83,34 @@ def test_ragged_rows_stop_training_naming_the_column(tmp_path):
         batches.close()
 
 
+def _shifted_labels(rows: int) -> pa.Array:  # labels shifted by their writer: one fewer than input_ids
+    return pa.FixedSizeListArray.from_arrays(pa.array(np.arange(rows * (SEQ - 1), dtype=np.int32)), SEQ - 1)
+
+
+def test_labels_narrower_than_input_ids_are_refused_naming_the_file_and_both_widths(tmp_path):
+    _write(tmp_path / "d", "part-0.parquet", input_ids=_tokens(10), labels=_tokens(10))
+    _write(tmp_path / "d", "part-1.parquet", input_ids=_tokens(10).cast(pa.list_(pa.int32())),
+           labels=_shifted_labels(10).cast(pa.list_(pa.int32())))
+    with pytest.raises(SourceDataError, match=rf"part-1\.parquet: row 0 holds {SEQ} input_ids but {SEQ - 1} labels; "
+                                              r"training needs one label per input token"):
+        check_training_data([str(tmp_path / "d")], micro_batch_size=4, num_workers=2)
+
+
+def test_a_batch_whose_labels_differ_in_width_stops_training_naming_both_widths(tmp_path):
+    # Past the preflight's first row: the worker names the data rather than failing inside the loss.
+    _write(tmp_path / "d", "part-0.parquet", input_ids=_tokens(8), labels=_shifted_labels(8))
+    inputs = SimpleNamespace(train_dirs=[str(tmp_path / "d")], cache_dir=None, cache_size_limit_bytes=None,
+                             cache_policy="evict")
+    batches = EpochBatches(inputs, TrainingConfig(num_workers=1, micro_batch_size=4, max_steps=10),
+                           rank=0, world_size=1, epoch=0, state=None)
+    try:
+        with pytest.raises(SourceDataError, match=rf"/d: a batch in epoch 0 holds rows of {SEQ} input_ids but "
+                                                  rf"{SEQ - 1} labels; training needs one label per input token"):
+            batches.next()
+    finally:
+        batches.close()
+
+
 @pytest.mark.parametrize(("max_epochs", "accumulation", "refused"), [
     (None, 64, False),  # max_steps alone: the loader cycles epochs
     (1, 2, False),      # 10 rows / 4 per micro batch: 2 micro batches per epoch (the partial third is dropped)

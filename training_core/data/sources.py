@@ -4,7 +4,10 @@ A source is a local file or folder, or an fsspec URI (`s3://bucket/day/`, `gs://
 `memory://…`); a folder is searched recursively. Read: `.jsonl` / `.ndjson` (JSON Lines), `.json`
 (JSON Lines or one array), `.csv` — each also gzip-compressed (`.jsonl.gz`) — and `.parquet`.
 Hidden (`.`) and underscore (`_SUCCESS`, `_temporary/`) names are skipped; any other file in a
-folder is refused by name, so that no part of a day's export is left out without a word.
+folder is refused by name, so that no part of a day's export is left out without a word. On local
+disk (a path or `file://`) links are followed, as the Parquet reader follows them: a folder or file
+linked into the export is part of it, a folder reached twice through links is read once, and a link
+to nothing is refused by name.
 
 Every malformed record raises `SourceDataError` naming the file (as the user wrote it, URI scheme
 included) and line (JSONL/CSV: 1-based line number, where the row starts; a `.json` array: 0-based
@@ -18,6 +21,7 @@ import csv
 import gzip
 import io
 import json
+import logging
 import os
 import threading
 import zlib
@@ -28,10 +32,13 @@ from typing import Any
 
 import fsspec
 import fsspec.core
+from fsspec.implementations.local import LocalFileSystem
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training_core.errors import SourceDataError
+
+logger = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("prompt", "response")
 ORIGINS_FILE = ".origins.json"  # beside a frozen copy of records: hidden, outside its digest
@@ -81,15 +88,46 @@ def _cause(error: Exception) -> str:
     return str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
 
 
-def _list_local(path: Path) -> tuple[bool, list[tuple[str, SourceFile]]]:
-    """(is a folder, [(path relative to `path`, file)] sorted); hidden and underscore names left out."""
+def _walk_local(root: Path) -> Iterator[str]:
+    """Paths relative to `root` of every entry below it that is not a folder, hidden and underscore
+    names left out, links followed. A folder whose real path was walked already (a link to an
+    ancestor, or a second link to one folder) is walked once: a loop would never end, and a folder
+    read twice would repeat its records."""
+    walked: set[str] = set()
+
+    def refuse(error: OSError) -> None:  # os.walk would skip an unlistable folder without a word
+        raise SourceDataError(f"{error.filename}: cannot be listed ({_cause(error)})") from error
+
+    for folder, subfolders, names in os.walk(root, onerror=refuse, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in walked:
+            logger.info("source %s: %s is a link to %s, which is read already", root, folder, real)
+            subfolders.clear()
+            continue
+        walked.add(real)
+        subfolders[:] = sorted(name for name in subfolders if not _is_skipped(name))  # sorted: first link wins
+        relative_folder = PurePosixPath(Path(folder).relative_to(root).as_posix())
+        yield from ((relative_folder / name).as_posix() for name in names if not _is_skipped(name))
+
+
+def _list_local(path: Path, shown_as: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
+    """(is a folder, [(path relative to `path`, file)] sorted); hidden and underscore names left out.
+    Messages and origins show the files below `shown_as`, the source as the user wrote it."""
     if not path.exists():
-        raise SourceDataError(f"source path {path} does not exist")
+        raise SourceDataError(f"source path {shown_as} does not exist")
     local = fsspec.filesystem("file")
     if path.is_file():
-        return False, [(path.name, SourceFile(str(path), str(path), local))]
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not _is_skipped(p.relative_to(path).as_posix()))
-    return True, [(p.relative_to(path).as_posix(), SourceFile(str(p), str(p), local)) for p in files]
+        return False, [(path.name, SourceFile(shown_as, str(path), local))]
+    found = []
+    for relative in sorted(_walk_local(path), key=lambda r: PurePosixPath(r).parts):
+        file = path / relative
+        shown = f"{shown_as.rstrip('/')}/{relative}"
+        if not file.is_file():  # a link to nothing would leave out the file it stood for
+            what = (f"a link to {os.readlink(file)}, which leads to no file (its target is gone, or links "
+                    "loop); restore the target or remove the link") if file.is_symlink() else "not a regular file"
+            raise SourceDataError(f"{shown}: {what}")
+        found.append((relative, SourceFile(shown, str(file), local)))
+    return True, found
 
 
 def _list_uri(uri: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
@@ -98,6 +136,8 @@ def _list_uri(uri: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
         fs, root = fsspec.core.url_to_fs(uri)
     except Exception as error:  # ImportError: s3fs/gcsfs not installed; ValueError: unknown protocol
         raise SourceDataError(f"source {uri}: cannot open its filesystem ({_cause(error)})") from error
+    if isinstance(fs, LocalFileSystem):  # file://: links are followed as for a plain path
+        return _list_local(Path(root), uri)
     try:
         exists = fs.exists(root)
         is_file = exists and fs.isfile(root)
@@ -123,7 +163,7 @@ def list_source_files(source: str | Path) -> list[SourceFile]:
         raise SourceDataError("source is empty; give a JSONL/CSV/Parquet file or a folder of them (a path or a URI)")
     # As in parquet_files: "://" marks a URI, whose path is the store's (never `~`-expanded).
     root = text if "://" in text else str(Path(text).expanduser())
-    is_folder, found = _list_uri(text) if "://" in text else _list_local(Path(root))
+    is_folder, found = _list_uri(text) if "://" in text else _list_local(Path(root), root)
     if not is_folder:
         file = found[0][1]
         if file.format is None:

@@ -73,9 +73,20 @@ class EpochBatches:
                             f"{', '.join(map(str, self._inputs.train_dirs))}: column {name!r} has rows of different "
                             f"lengths in epoch {self._reader.epoch}; training needs every row to hold the same number of tokens"
                         )
+                self._check_label_width(batch)
                 return {name: torch.from_numpy(batch[name]).long() for name in TRAINING_COLUMNS}
             self._iterator = self._start_epoch()  # an epoch that ends moves the reader to the next one
         raise RuntimeError(f"epoch {self.epoch} of {self._inputs.train_dirs} yields no batch of {self._config.micro_batch_size} rows for rank {self._rank}")
+
+    def _check_label_width(self, batch: dict) -> None:
+        # The preflight reads each file's first row only; a later row of another width would fail
+        # inside the model's loss naming no data.
+        inputs, labels = batch["input_ids"].shape[1], batch["labels"].shape[1]
+        if labels != inputs:
+            raise SourceDataError(
+                f"{', '.join(map(str, self._inputs.train_dirs))}: a batch in epoch {self._reader.epoch} holds rows of "
+                f"{inputs} input_ids but {labels} labels; training needs one label per input token"
+            )
 
     def state_dict(self) -> dict:
         return self._reader.state_dict()

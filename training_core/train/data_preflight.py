@@ -3,16 +3,21 @@
 The pipeline's own datasets pass the `training_dataset` checks already; this catches data handed
 to `run_training` directly (another writer, a hand-made folder), whose problems would otherwise
 surface inside a worker, after start-up, without a file name: every file's token columns must be
-lists of integers with no nulls, token ids must fit the base model's vocabulary (where the footer's
-statistics give their range), and the data must hold one micro batch for every worker.
-Only footers are read (the same listing the reader does), so it costs milliseconds.
+lists of integers with no nulls, labels as wide as input_ids (one label per input token; a writer
+that shifts labels itself stores one fewer), token ids must fit the base model's vocabulary (where the
+footer's statistics give their range), and the data must hold one micro batch for every worker.
+Footers are read (the same listing the reader does) and each file's first row, so it costs milliseconds.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
 from training_core.data.batch_columns import TRAINING_COLUMNS
-from training_core.data.parquet_files import is_integer_list, list_parquet_files, read_footer
+from training_core.data.parquet_files import is_integer_list, list_parquet_files, read_footer, retry_storage_errors
 from training_core.errors import SourceDataError
 
 
@@ -36,6 +41,7 @@ def check_training_data(train_dirs: Sequence[str], micro_batch_size: int, num_wo
                 raise SourceDataError(f"{info.path}: column {name!r} is {kind}; training needs lists of integer token ids")
             if name in has_nulls:
                 raise SourceDataError(f"{info.path}: column {name!r} holds nulls; training needs a full token list in every row")
+        _check_label_width(filesystem, info)
         if vocab_size is not None:
             _check_token_ids(parquet_file, vocab_size)
         rows += sum(parquet_file.row_group_sizes)
@@ -56,3 +62,21 @@ def _check_token_ids(parquet_file, vocab_size: int) -> None:
                 raise SourceDataError(
                     f"{parquet_file.path}: row group {index}: column {name!r} holds token ids {low}..{high}, outside the "
                     f"base model's vocabulary (0..{vocab_size - 1}); was it tokenized for another model?")
+
+
+def _check_label_width(filesystem: pafs.FileSystem, info: pafs.FileInfo) -> None:
+    """The first row's labels hold one label per input token. The model shifts labels itself, so
+    labels one shorter (shifted by their writer) would otherwise fail inside a worker's loss with
+    "Expected input batch_size (64) to match target batch_size (60)", naming no file."""
+
+    def first_row_widths() -> dict[str, int | None]:  # empty file: {}; a null list: None (named by the worker)
+        with filesystem.open_input_file(info.path) as handle:
+            batch = next(pq.ParquetFile(handle).iter_batches(batch_size=1, columns=TRAINING_COLUMNS), None)
+        return {} if batch is None else {name: pc.list_value_length(batch.column(name))[0].as_py()
+                                         for name in TRAINING_COLUMNS}
+
+    widths = retry_storage_errors(first_row_widths, f"{info.path} first row", max_attempts=3, backoff_s=0.05)
+    if widths and None not in widths.values() and widths["labels"] != widths["input_ids"]:
+        raise SourceDataError(
+            f"{info.path}: row 0 holds {widths['input_ids']} input_ids but {widths['labels']} labels; training needs "
+            f"one label per input token (the model shifts labels itself: store them unshifted, {IGNORED_LABEL} where no loss)")
