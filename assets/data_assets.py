@@ -86,7 +86,8 @@ class TrainingDatasetConfig(dg.Config):
     max_repeated_records: float = Field(
         MAX_REPEATED_RECORDS, ge=0.0, le=1.0, allow_inf_nan=False,
         description="no_duplicate_rows fails when more than this share of the day's records repeat an earlier "
-        "one (a file exported twice repeats half)",
+        "one's tokens (a file exported twice repeats half); within it, duplicate packed rows those repeats "
+        "explain pass",
     )
 
 

@@ -12,7 +12,7 @@ import pytest
 from training_core.base_model import load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, read_eval_records, write_dataset
 from training_core.data.demo_task import encode_word, generate_records
-from training_core.data.packing import IGNORE_INDEX, TokenizedExample, is_eval_example, pack_examples, tokenize_example
+from training_core.data.packing import IGNORE_INDEX, TokenizedExample, is_eval_prompt, pack_examples, tokenize_example
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.config import TrainingConfig
 
@@ -24,13 +24,14 @@ def test_demo_records_are_a_pure_function_of_the_partition():
     assert generate_records("2026-11-01", 50) != generate_records("2026-11-02", 50)
 
 
-def test_the_largest_demo_day_passes_its_own_duplicate_check():
+def test_the_largest_demo_day_passes_its_own_duplicate_check(demo_model):
     """The demo draws words with replacement: a day larger than the cap would fail no_duplicate_rows."""
     from training_core.data.demo_task import MAX_RECORDS_PER_PARTITION
-    from training_core.data.quality import MAX_REPEATED_RECORDS, repeated_record_count
+    from training_core.data.quality import MAX_REPEATED_RECORDS, SourceRecords
 
     records = generate_records("2026-11-01", MAX_RECORDS_PER_PARTITION)
-    assert repeated_record_count(records) <= MAX_REPEATED_RECORDS * len(records)
+    repeats = SourceRecords(records, load_tokenizer(demo_model.name_or_path), None, held_out={}).repeated
+    assert 0 < repeats <= MAX_REPEATED_RECORDS * len(records)
     with pytest.raises(ValueError, match="between 0 and 40,000"):
         generate_records("2026-11-01", MAX_RECORDS_PER_PARTITION + 1)
 
@@ -51,10 +52,11 @@ def test_packing_masks_prompts_and_padding():
 
 
 def test_eval_split_is_by_prompt_so_no_prompt_leaks(demo_dataset, demo_model):
+    tokenizer = load_tokenizer(demo_model.name_or_path)
     eval_prompts = {r["prompt"] for r in read_eval_records(demo_dataset.path)}
-    assert eval_prompts and all(is_eval_example(p, 0.05) for p in eval_prompts)
+    assert eval_prompts and all(is_eval_prompt(tokenizer, p, 0.05) for p in eval_prompts)
     records = generate_records("2026-11-01", 2000)
-    train_prompts = {r["prompt"] for r in records if not is_eval_example(r["prompt"], 0.05)}
+    train_prompts = {r["prompt"] for r in records if not is_eval_prompt(tokenizer, r["prompt"], 0.05)}
     assert not eval_prompts & train_prompts
 
 
@@ -80,7 +82,7 @@ def test_streamed_writing_gives_the_rows_and_files_of_packing_everything_at_once
     spec = DatasetSpec(row_group_rows=32, rows_per_file=100)
     published = write_dataset(records, tokenizer, tmp_path, spec, source_label="p")
 
-    train = [r for r in records if not is_eval_example(r["prompt"], spec.eval_fraction)]
+    train = [r for r in records if not is_eval_prompt(tokenizer, r["prompt"], spec.eval_fraction)]
     expected = pack_examples([tokenize_example(tokenizer, r["prompt"], r["response"]) for r in train],
                              spec.seq_len, tokenizer.pad_token_id)
     files = sorted(published.train_dir.glob("*.parquet"))
@@ -91,7 +93,7 @@ def test_streamed_writing_gives_the_rows_and_files_of_packing_everything_at_once
         written = np.concatenate([np.asarray(t.column(name).combine_chunks().flatten()) for t in tables])
         np.testing.assert_array_equal(written.reshape(-1, spec.seq_len), expected[name])
     assert published.train_rows == len(expected["input_ids"]) and published.train_examples == len(train)
-    eval_split = [r for r in records if is_eval_example(r["prompt"], spec.eval_fraction)]
+    eval_split = [r for r in records if is_eval_prompt(tokenizer, r["prompt"], spec.eval_fraction)]
     assert read_eval_records(published.path) == eval_split[: spec.max_eval_examples]
 
 
@@ -191,11 +193,12 @@ def test_a_tokenizer_without_a_pad_or_eos_token_is_refused_before_anything_is_wr
 
 
 
-def _overlong_prompt(in_eval: bool, eval_fraction: float = 0.05) -> str:
-    """A prompt far longer than seq_len=64 tokens that lands in the eval split (or not)."""
+def _overlong_prompt(tokenizer, in_eval: bool, eval_fraction: float = 0.05) -> str:
+    """A prompt far longer than seq_len=64 tokens that lands in the eval split (or not). It varies in
+    words the demo tokenizer knows: the split hashes token ids, and unknown words are all <unk>."""
     base = "encode: " + " ".join("abcd" * 30)
-    return next(prompt for prompt in (f"{base} {n}" for n in range(10_000))
-                if is_eval_example(prompt, eval_fraction) == in_eval)
+    return next(prompt for prompt in (f"{base} {a} {b} {c}" for a in "abcdefgh" for b in "abcdefgh" for c in "abcdefgh")
+                if is_eval_prompt(tokenizer, prompt, eval_fraction) == in_eval)
 
 
 def test_an_overlong_record_in_the_eval_split_is_refused_like_one_in_the_train_split(tmp_path, demo_model):
@@ -211,7 +214,7 @@ def test_an_overlong_record_in_the_eval_split_is_refused_like_one_in_the_train_s
 
     tokenizer = load_tokenizer(demo_model.name_or_path)
     short = generate_records("2026-11-01", 60)
-    long_prompt = _overlong_prompt(in_eval=True)
+    long_prompt = _overlong_prompt(tokenizer, in_eval=True)
     source = tmp_path / "source.jsonl"
     source.write_text("".join(json.dumps(r) + "\n\n" for r in [*short, {"prompt": long_prompt, "response": "x"}]))
     records, origins = read_records_with_origins(source)
@@ -227,7 +230,7 @@ def test_an_overlong_record_in_the_eval_split_is_refused_like_one_in_the_train_s
     assert list(out.iterdir()) == []  # nothing half-written, not even a staging folder
 
     # The first overlong record in file order is named, whichever split it falls into.
-    train_long = {"prompt": _overlong_prompt(in_eval=False), "response": "x"}
+    train_long = {"prompt": _overlong_prompt(tokenizer, in_eval=False), "response": "x"}
     with pytest.raises(SourceDataError, match=r"p: record 60 \(0-based\) \(prompt"):
         write_dataset([*short, {"prompt": long_prompt, "response": "x"}, train_long], tokenizer, out, DatasetSpec(),
                       source_label="p")

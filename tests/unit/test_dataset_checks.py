@@ -17,7 +17,7 @@ import pytest
 from training_core.base_model import load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, read_eval_records, write_dataset
 from training_core.data.demo_task import ALPHABET, generate_records
-from training_core.data.packing import IGNORE_INDEX, is_eval_example, pack_examples, tokenize_example
+from training_core.data.packing import IGNORE_INDEX, is_eval_prompt, pack_examples, tokenize_example
 from training_core.data import quality
 from training_core.data.quality import DATASET_CHECK_NAMES, run_dataset_checks
 
@@ -131,10 +131,11 @@ def _tails_of_a_held_out_example(tokenizer, directory: Path):
     """A dataset whose training examples end with a held-out example's tokens ("<w> a b" → "z" for a
     held-out "a b" → "z"): other examples, not copies of it. Returns (dataset, held-out record)."""
     spec = DatasetSpec(seq_len=32, eval_fraction=0.3)
-    held_out = next(f"{a} {b}" for a in ALPHABET for b in ALPHABET if is_eval_example(f"{a} {b}", spec.eval_fraction))
+    held_out = next(f"{a} {b}" for a in ALPHABET for b in ALPHABET
+                    if is_eval_prompt(tokenizer, f"{a} {b}", spec.eval_fraction))
     records = [{"prompt": held_out, "response": "z"}]
     records += [{"prompt": f"{w} {held_out}", "response": "z"} for w in ALPHABET
-                if not is_eval_example(f"{w} {held_out}", spec.eval_fraction)]
+                if not is_eval_prompt(tokenizer, f"{w} {held_out}", spec.eval_fraction)]
     return write_dataset(records, tokenizer, directory, spec, source_label="t"), records[0]
 
 
@@ -208,20 +209,27 @@ def test_token_fill_is_the_same_whether_the_pad_token_is_its_own_or_eos(tmp_path
     assert quality.content_lengths(np.full((1, 8), IGNORE_INDEX)).tolist() == [0]  # a row training nothing fills nothing
 
 
-def test_a_duplicate_rows_failure_names_the_repeated_source_records(tmp_path, demo_model):
+def _frozen_source(directory: Path, records: list[dict[str, str]]) -> tuple[Path, list[dict[str, str]], str]:
+    """The user's file (``mine.jsonl``) read, and frozen as raw_examples freezes it with its origins
+    beside: (the user's file, its records, the frozen copy's path)."""
     import json
 
-    from training_core.data.quality import run_dataset_checks
     from training_core.data.sources import ORIGINS_FILE, read_records_with_origins
 
-    distinct = list({(r["prompt"], r["response"]): r for r in generate_records("2026-11-03", 80)}.values())[:60]
-    source = tmp_path / "mine.jsonl"  # the user's file: lines 61 and 62 repeat lines 5 and 9
-    source.write_text("".join(json.dumps(r) + "\n" for r in [*distinct, distinct[4], distinct[8]]))
-    records, origins = read_records_with_origins(source)
-    frozen = tmp_path / "raw" / "records.jsonl"  # as raw_examples freezes them, origins beside
+    source = directory / "mine.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    read, origins = read_records_with_origins(source)
+    frozen = directory / "raw" / "records.jsonl"
     frozen.parent.mkdir()
-    frozen.write_text("".join(json.dumps(r) + "\n" for r in records))
+    frozen.write_text("".join(json.dumps(r) + "\n" for r in read))
     origins.save(frozen.parent / ORIGINS_FILE)
+    return source, read, str(frozen)
+
+
+def test_a_duplicate_rows_failure_names_the_repeated_source_records(tmp_path, demo_model):
+    distinct = list({(r["prompt"], r["response"]): r for r in generate_records("2026-11-03", 80)}.values())[:60]
+    # the user's file: lines 61 and 62 repeat lines 5 and 9
+    source, records, frozen = _frozen_source(tmp_path, [*distinct, distinct[4], distinct[8]])
     tokenizer = load_tokenizer(demo_model.name_or_path)
     # 11 tokens per record, rows of 16: one record per row, so a repeated record is a repeated row
     dataset = write_dataset(records, tokenizer, tmp_path / "out", DatasetSpec(seq_len=16, row_group_rows=16),
@@ -229,16 +237,117 @@ def test_a_duplicate_rows_failure_names_the_repeated_source_records(tmp_path, de
 
     os.utime(frozen, (1_793_500_000, 1_793_500_000))  # when raw_examples froze it: 2026-11-01 02:26:40 UTC
 
-    outcomes = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records, str(frozen))}
+    outcomes = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records, frozen,
+                                                      max_repeated_records=0.01)}
     check = outcomes["no_duplicate_rows"]
     assert not check.passed and check.metadata["duplicate_records"] == 2
     # The lines are those of the frozen copy: a fix to the user's file reaches the check only through raw_examples.
-    assert check.description.endswith(f": 2 source records repeat an earlier one, e.g. line 61 of {source} repeats "
-                                      f"line 5 of {source}; line 62 of {source} repeats line 9 of {source} (lines of "
-                                      "the source as raw_examples froze it at 2026-11-01 02:26 UTC; after fixing it, "
-                                      "rematerialize raw_examples, then training_dataset)")
+    assert check.description.endswith(f": 2 source records (3.2%, more than the 1% allowed) repeat an earlier one, "
+                                      f"e.g. line 61 of {source} repeats line 5 of {source}; line 62 of {source} "
+                                      f"repeats line 9 of {source} (lines of the source as raw_examples froze it at "
+                                      "2026-11-01 02:26 UTC; after fixing it, rematerialize raw_examples, then "
+                                      "training_dataset)")
     without_records = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}
     assert "source records" not in without_records["no_duplicate_rows"].description
+
+
+def test_max_repeated_records_lets_duplicate_rows_from_repeats_within_it_pass(tmp_path, demo_model):
+    """Rows of one record each: a record exported twice is a repeated row. no_duplicate_rows failed on
+    any repeated row whatever max_repeated_records allowed (even 1.0); it now judges the records."""
+    distinct = list({(r["prompt"], r["response"]): r for r in generate_records("2026-11-03", 400)}.values())[:300]
+    tokenizer = load_tokenizer(demo_model.name_or_path)
+    records = [*distinct, *distinct[10:13]]  # 1 % repeated
+    dataset = write_dataset(records, tokenizer, tmp_path / "out", DatasetSpec(seq_len=16), source_label="t")
+
+    def duplicate_check(**limit):
+        outcomes = run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records, **limit)
+        return {o.name: o for o in outcomes}["no_duplicate_rows"]
+
+    allowed = duplicate_check()
+    assert allowed.metadata["duplicate_rows"] >= 1 and allowed.metadata["duplicate_records"] == 3
+    assert allowed.passed, allowed.description
+    assert "3 source records (1.0%, within the 5% allowed) repeat an earlier one, e.g. record 300 (0-based) " \
+           "repeats record 10 (0-based)" in allowed.description
+    refused = duplicate_check(max_repeated_records=0.005)
+    assert not refused.passed and "(1.0%, more than the 0.5% allowed)" in refused.description
+    # without the records, nothing explains a repeated row
+    assert not {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}[
+        "no_duplicate_rows"].passed
+
+
+def test_records_that_differ_in_text_but_tokenize_alike_count_as_repeats(tmp_path):
+    """An export written again in NFD, read by a tokenizer that normalizes to NFC (Qwen2's does): the
+    model trains on every record twice, yet the check reported "0 repeated source records"."""
+    import unicodedata
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    nfc = [{"prompt": f"résumé café {i}", "response": f"ok {i}"} for i in range(200)]
+    nfd = [{"prompt": unicodedata.normalize("NFD", r["prompt"]), "response": r["response"]} for r in nfc]
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.normalizer, backend.pre_tokenizer = normalizers.NFC(), pre_tokenizers.Whitespace()
+    backend.train_from_iterator([f"{r['prompt']} {r['response']}" for r in nfc],
+                                trainers.BpeTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>")
+    records = nfc + nfd
+    dataset = write_dataset(records, tokenizer, tmp_path / "out", DatasetSpec(), source_label="t")
+
+    outcomes = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records)}
+    check = outcomes["no_duplicate_rows"]
+    assert check.metadata["duplicate_records"] == 200 and not check.passed
+    assert ("200 source records (50.0%, more than the 5% allowed) repeat an earlier one, e.g. record 200 (0-based) "
+            "repeats record 0 (0-based) (other text, same tokens)") in check.description
+
+
+def test_a_leaked_eval_example_is_named_by_its_line_and_training_row(tmp_path, demo_model):
+    """The blocking leakage failure said only "1 held-out examples found in training rows"."""
+    distinct = list({(r["prompt"], r["response"]): r for r in generate_records("2026-11-04", 500)}.values())[:400]
+    source, records, frozen = _frozen_source(tmp_path, distinct)
+    tokenizer = load_tokenizer(demo_model.name_or_path)
+    dataset = write_dataset(records, tokenizer, tmp_path / "out", DatasetSpec(seq_len=64), source_label="t")
+    held_out = read_eval_records(dataset.path)[0]
+    line = records.index(held_out) + 1
+    # a training row holding the held-out example, appended after the file's rows
+    first_file = sorted((Path(dataset.path) / "train").glob("*.parquet"))[0]
+    table = pq.read_table(first_file)
+    copied = pack_examples([tokenize_example(tokenizer, **held_out)], dataset.seq_len, tokenizer.pad_token_id)
+    extra = pa.table({name: copied[name].tolist() for name in ("input_ids", "labels")}, schema=table.schema)
+    pq.write_table(pa.concat_tables([table, extra]), first_file)
+
+    leakage = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records, frozen)}[
+        "no_eval_leakage"]
+    assert not leakage.passed and leakage.metadata["leaked_examples"] == 1
+    assert leakage.description.endswith(f"e.g. held-out line {line} of {source} is in row {table.num_rows} of "
+                                        f"train/{first_file.name}")
+    without_records = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}[
+        "no_eval_leakage"]
+    assert without_records.description.endswith(f"e.g. held-out prompt {held_out['prompt'][:40]!r} is in row "
+                                                f"{table.num_rows} of train/{first_file.name}")
+
+
+def test_token_fill_leaves_out_the_last_row_and_still_fails_poor_packing(tmp_path, demo_model):
+    """A small day at a large seq_len packs into one partly filled row: token_lengths (blocking) read
+    its 30 % as poor packing, though no packing could do better."""
+    tokenizer = load_tokenizer(demo_model.name_or_path)
+    records = generate_records("2026-11-01", 120)
+    small_day = write_dataset(records, tokenizer, tmp_path / "small", DatasetSpec(seq_len=4096), source_label="t")
+    assert small_day.train_rows == 1
+    check = {o.name: o for o in run_dataset_checks(small_day.path, small_day.seq_len, tokenizer)}["token_lengths"]
+    assert check.passed and check.metadata["mean_fill"] < 0.5, check.description
+
+    # one short example per row: poorly packed however many rows, and blocked
+    dataset = write_dataset(records, tokenizer, tmp_path / "poor", DatasetSpec(seq_len=64), source_label="t")
+    train_dir = Path(dataset.path) / "train"
+    schema = pq.read_schema(next(train_dir.glob("*.parquet")))
+    for path in train_dir.glob("*.parquet"):
+        path.unlink()
+    rows = [pack_examples([tokenize_example(tokenizer, **r)], dataset.seq_len, tokenizer.pad_token_id) for r in records]
+    pq.write_table(pa.table({name: np.concatenate([r[name] for r in rows]).tolist() for name in ("input_ids", "labels")},
+                            schema=schema), train_dir / "part-00000.parquet")
+    check = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer)}["token_lengths"]
+    assert not check.passed and check.metadata["fill_before_last_row"] < 0.2, check.description
 
 
 def test_a_source_exported_twice_fails_the_duplicate_check_even_when_packing_yields_distinct_rows(tmp_path, demo_model):
@@ -248,7 +357,7 @@ def test_a_source_exported_twice_fails_the_duplicate_check_even_when_packing_yie
 
     distinct = list({(r["prompt"], r["response"]): r for r in generate_records("2026-11-03", 300)}.values())[:200]
     tokenizer = load_tokenizer(demo_model.name_or_path)
-    twice = [*distinct, *distinct[3:], *distinct[:3]]
+    twice = [*distinct, *reversed(distinct)]  # in another order: no row packs the same records in the same order
     dataset = write_dataset(twice, tokenizer, tmp_path / "out", DatasetSpec(seq_len=64, row_group_rows=32),
                             source_label="t")
     check = {o.name: o for o in run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, twice)}["no_duplicate_rows"]

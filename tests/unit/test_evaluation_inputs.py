@@ -15,7 +15,7 @@ from pipelines.definitions import defs
 from training_core.base_model import load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, write_dataset
 from training_core.data.demo_task import generate_records
-from training_core.data.packing import is_eval_example
+from training_core.data.packing import is_eval_prompt
 from training_core.errors import EmptyPartitionError
 from training_core.evaluate.compare import CHAMPION_UNRECORDED, EvaluationReport, evaluate_against_base
 from training_core.evaluate.model_folder import TrainedModelError, check_trained_model_dir
@@ -386,13 +386,13 @@ def test_greedy_exact_match_ignores_the_checkpoints_generation_defaults(demo_mod
 def test_a_partition_with_no_eval_records_is_refused_when_the_dataset_is_written(tmp_path, demo_model):
     tokenizer = load_tokenizer(demo_model.name_or_path)
     records = generate_records("2026-11-05", 400)
-    train_only = [r for r in records if not is_eval_example(r["prompt"], 0.05)][:20]
+    train_only = [r for r in records if not is_eval_prompt(tokenizer, r["prompt"], 0.05)][:20]
     with pytest.raises(EmptyPartitionError, match=r"partition 2026-11-05: none of its 20 records fell into the eval "
                                                   r"split \(eval_fraction=0\.05.*raise eval_fraction or add records"):
         write_dataset(train_only, tokenizer, tmp_path, DatasetSpec(), source_label="partition 2026-11-05")
     assert list(tmp_path.iterdir()) == []
 
-    held_out = next(r for r in records if is_eval_example(r["prompt"], 0.05))
+    held_out = next(r for r in records if is_eval_prompt(tokenizer, r["prompt"], 0.05))
     dataset = write_dataset([*train_only, held_out], tokenizer, tmp_path, DatasetSpec(), source_label="p")
     assert (dataset.train_examples, dataset.eval_examples) == (20, 1)
 

@@ -4,7 +4,7 @@ Layout of a published dataset (directory name = content digest, so it is immutab
     train/part-00000.parquet …   input_ids, labels: list<int32>[seq_len]; row groups of
                                  `row_group_rows` rows (the loader's unit of work and caching)
     eval.parquet                 prompt, response (raw text, for eval loss and exact-match)
-    manifest.json                counts, seq_len, tokenizer digest, source partitions
+    manifest.json                counts, spec (seq_len, eval_fraction, …), tokenizer digest, source partitions
 """
 
 from __future__ import annotations
@@ -67,11 +67,24 @@ class PublishedDataset:
     # were recorded with it (written outside Dagster, or stored before checks were recorded).
     # Consumers launched on their own (a later day's training window) read it to refuse the day.
     failed_checks: tuple[str, ...] | None = None
+    # Share of prompts held out: days of one training window must share it, or a prompt held out on
+    # one day is trained on from another. None: handed over before it was recorded here (the
+    # manifest has it: see split_eval_fraction).
+    eval_fraction: float | None = None
 
     @property
     def train_dir(self) -> Path:
         return Path(self.path) / "train"
 
+    def split_eval_fraction(self) -> float | None:
+        """The eval_fraction this dataset was split with: the field, or for a dataset handed over before
+        it was recorded there, its manifest's spec (every manifest has one). None when neither tells."""
+        if self.eval_fraction is not None:
+            return self.eval_fraction
+        try:
+            return float(json.loads((Path(self.path) / "manifest.json").read_text())["spec"]["eval_fraction"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
 
 def _fixed_list(array: np.ndarray) -> pa.Array:
@@ -125,7 +138,7 @@ def write_dataset(
             examples = tokenize_examples(tokenizer, [r["prompt"] for r in batch], [r["response"] for r in batch])
             for index, example in enumerate(examples, start=start):
                 special_tokens.check(example, lambda: describe(index))  # noqa: B023 - called at once, if at all
-                if is_eval_example(records[index]["prompt"], spec.eval_fraction):
+                if is_eval_example(example.prompt_ids, spec.eval_fraction):
                     check_fits(example, spec.seq_len, lambda: describe(index))  # noqa: B023 - called at once, if at all
                     eval_count += 1
                     if len(eval_records) < spec.max_eval_examples:
@@ -141,8 +154,8 @@ def write_dataset(
             # Refused here, not at evaluation: by then the window's model has trained for nothing.
             raise EmptyPartitionError(
                 f"{source_label}: none of its {len(records)} records fell into the eval split "
-                f"(eval_fraction={spec.eval_fraction}, split by a hash of the prompt), so evaluation would have "
-                "nothing to score; raise eval_fraction or add records"
+                f"(eval_fraction={spec.eval_fraction}, split by a hash of the prompt's tokens), so evaluation "
+                "would have nothing to score; raise eval_fraction or add records"
             )
         packer.finish()
         files.add(packer.take_rows())
@@ -174,6 +187,7 @@ def write_dataset(
         files=files.count,
         seq_len=spec.seq_len,
         tokens=tokens,
+        eval_fraction=spec.eval_fraction,
     )
 
 

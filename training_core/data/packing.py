@@ -7,7 +7,7 @@ Labels are -100 on prompt and padding tokens, so the loss trains only the respon
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,11 +23,19 @@ class TokenizedExample:
     response_ids: list[int]  # ends with eos
 
 
-def is_eval_example(prompt: str, eval_fraction: float) -> bool:
-    """Split by a hash of the prompt: the same prompt always lands in the same split, so no prompt
-    can leak from training into evaluation, whatever the partition or record order."""
-    bucket = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "little") % 10_000
+def is_eval_example(prompt_ids: Sequence[int], eval_fraction: float) -> bool:
+    """Split by a hash of the prompt's token ids (:attr:`TokenizedExample.prompt_ids`), not its text:
+    prompts the model sees as one (text a tokenizer normalizes alike: NFC and NFD forms, full-width
+    and ASCII letters, runs of spaces) always land in the same split, so no prompt can leak from
+    training into evaluation, whatever the partition, record order or text form."""
+    ids = np.asarray(prompt_ids, dtype="<i8").tobytes()  # fixed width and byte order: the same bytes everywhere
+    bucket = int.from_bytes(hashlib.blake2b(ids, digest_size=8).digest(), "little") % 10_000
     return bucket < eval_fraction * 10_000
+
+
+def is_eval_prompt(tokenizer, prompt: str, eval_fraction: float) -> bool:
+    """:func:`is_eval_example` for a prompt's text, tokenized as the dataset writer tokenizes it."""
+    return is_eval_example(tokenize_example(tokenizer, prompt, "").prompt_ids, eval_fraction)
 
 
 def tokenize_example(tokenizer, prompt: str, response: str) -> TokenizedExample:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import hashlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -53,33 +54,112 @@ class _RowStats:
         self.hashes.update(hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in input_ids)
         self.lengths.append(content_lengths(labels).astype(np.int32))
 
+    @property
+    def duplicate_rows(self) -> int:
+        return self.rows - len(self.hashes)
+
     def outcomes(self, width: int) -> list[CheckOutcome]:
-        duplicates = self.rows - len(self.hashes)
-        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int32)
-        percentiles = {f"tokens_p{p}": float(np.percentile(lengths, p)) if len(lengths) else 0.0 for p in (5, 50, 95)}
-        fill = float(lengths.mean() / width) if len(lengths) and width else 0.0
         return [
             CheckOutcome("no_empty_rows", self.empty == 0 and self.rows > 0,
                          f"{self.empty} of {self.rows} rows train no token", {"empty_rows": self.empty, "rows": self.rows}),
-            # Packed rows of distinct examples never repeat; a repeat means duplicated source records.
-            CheckOutcome("no_duplicate_rows", duplicates == 0, f"{duplicates} duplicate packed rows",
-                         {"duplicate_rows": duplicates}),
-            CheckOutcome("token_lengths", fill >= 0.5, f"mean row fill {fill:.0%} (packing must fill ≥ 50%)",
-                         {**percentiles, "mean_fill": fill}),
+            self._fill_outcome(width),
         ]
 
+    def _fill_outcome(self, width: int) -> CheckOutcome:
+        """Packing closes a row only when the next example does not fit, so every row but the last is
+        as full as in-order packing gets; the last holds what was left over, however little, and is
+        left out of the judged fill (a small day at a large seq_len is one partly filled row)."""
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int32)
+        percentiles = {f"tokens_p{p}": float(np.percentile(lengths, p)) if len(lengths) else 0.0 for p in (5, 50, 95)}
+        fill = float(lengths.mean() / width) if len(lengths) and width else 0.0
+        metadata = {**percentiles, "mean_fill": fill}
+        if len(lengths) == 1:
+            return CheckOutcome("token_lengths", True, f"one row, {fill:.0%} filled: the whole day fits in it, so no "
+                                "packing could fill it more", metadata)
+        packed_fill = float(lengths[:-1].mean() / width) if len(lengths) and width else 0.0
+        metadata["fill_before_last_row"] = packed_fill
+        return CheckOutcome("token_lengths", packed_fill >= 0.5,
+                            f"mean row fill {packed_fill:.0%} before the last row, which holds what was left over "
+                            f"(packing must fill ≥ 50%; {fill:.0%} with it)", metadata)
 
-def _eval_sequences(dataset_path: str, tokenizer) -> set[tuple[int, ...]]:
-    """The held-out examples' token sequences, tokenized as the writer tokenized the training rows."""
+
+def _eval_sequences(dataset_path: str, tokenizer) -> dict[tuple[int, ...], dict[str, str]]:
+    """The held-out examples' token sequences, tokenized as the writer tokenized the training rows,
+    each with (the first of) the held-out records it is."""
     records = read_eval_records(dataset_path)
     examples = tokenize_examples(tokenizer, [r["prompt"] for r in records], [r["response"] for r in records])
-    return {tuple(example.prompt_ids + example.response_ids) for example in examples}
+    sequences: dict[tuple[int, ...], dict[str, str]] = {}
+    for record, example in zip(records, examples):
+        sequences.setdefault(tuple(example.prompt_ids + example.response_ids), record)
+    return sequences
 
 
-def _leakage_outcome(leaked: int, held_out: int) -> CheckOutcome:
-    """No held-out example (prompt + response tokens) is packed, whole, as an example of a training row."""
-    return CheckOutcome("no_eval_leakage", leaked == 0, f"{leaked} held-out examples found in training rows "
-                        f"({held_out} held out)", {"leaked_examples": leaked, "eval_examples": held_out})
+def _token_key(token_ids: list[int] | tuple[int, ...]) -> bytes:
+    return hashlib.blake2b(array.array("i", token_ids).tobytes(), digest_size=16).digest()
+
+
+def _text_key(record: dict[str, str]) -> tuple[str, str]:
+    return record["prompt"], record["response"]
+
+
+_TOKENIZE_BATCH = 1024
+
+
+class SourceRecords:
+    """The day's source records as the model sees them, tokenized again as the writer tokenized them
+    (in batches; memory grows with one key per distinct record): which repeat an earlier one, and
+    where each held-out example's record is. Tokens, not text, are compared: records that differ in
+    text may tokenize alike (the NFC and NFD forms of one prompt, for a tokenizer that normalizes
+    Unicode), and the model then trains on them twice all the same."""
+
+    def __init__(self, records: list[dict[str, str]], tokenizer, records_path: str | None,
+                 held_out: dict[tuple[int, ...], dict[str, str]], limit: int = 3) -> None:
+        self.records, self.records_path, self.locations = records, records_path, RecordLocations(records_path)
+        self.repeated, self.repeat_examples = 0, []
+        held_out_texts = {_token_key(sequence): _text_key(record) for sequence, record in held_out.items()}
+        self.held_out_at: dict[bytes, int] = {}  # where each held-out example's record is
+        first: dict[bytes, int] = {}
+        for start in range(0, len(records), _TOKENIZE_BATCH):
+            batch = records[start : start + _TOKENIZE_BATCH]
+            examples = tokenize_examples(tokenizer, [r["prompt"] for r in batch], [r["response"] for r in batch])
+            for index, example in enumerate(examples, start=start):
+                key = _token_key(example.prompt_ids + example.response_ids)
+                if key in held_out_texts and _text_key(records[index]) == held_out_texts[key]:
+                    self.held_out_at.setdefault(key, index)
+                earlier = first.setdefault(key, index)
+                if earlier != index:
+                    self.repeated += 1
+                    if len(self.repeat_examples) < limit:
+                        self.repeat_examples.append(self._describe_repeat(index, earlier))
+
+    def where(self, index: int) -> str:
+        """The record as the user finds it: in their own file when its origins were kept."""
+        return self.locations.users(index) or self.locations.frozen(index)
+
+    def _describe_repeat(self, index: int, earlier: int) -> str:
+        alike = _text_key(self.records[index]) == _text_key(self.records[earlier])
+        return f"{self.where(index)} repeats {self.where(earlier)}" + ("" if alike else " (other text, same tokens)")
+
+
+def _leakage_outcome(leaked: int, held_out: dict[tuple[int, ...], dict[str, str]],
+                     found_at: dict[tuple[int, ...], tuple[str, int]], source: SourceRecords | None,
+                     limit: int = 3) -> CheckOutcome:
+    """No held-out example (prompt + response tokens) is packed, whole, as an example of a training
+    row. A failure names the first ones found: the held-out record (its line in the user's file when
+    the day's records are known, else its prompt) and the training row holding it."""
+    description = f"{leaked} held-out examples found in training rows ({len(held_out)} held out)"
+    named = []
+    for sequence, (file_name, row) in list(found_at.items())[:limit]:
+        key = _token_key(sequence)
+        if source is not None and key in source.held_out_at:
+            what = f"held-out {source.where(source.held_out_at[key])}"
+        else:
+            what = f"held-out prompt {held_out[sequence]['prompt'][:40]!r}"
+        named.append(f"{what} is in row {row} of train/{file_name}")
+    if named:
+        description += ", e.g. " + "; ".join(named)
+    return CheckOutcome("no_eval_leakage", leaked == 0, description,
+                        {"leaked_examples": leaked, "eval_examples": len(held_out)})
 
 
 _HASH_BASE = np.uint64(1_000_003)
@@ -116,16 +196,25 @@ class SequenceIndex:
 
     def count(self, rows: np.ndarray, rows_per_chunk: int = _ROWS_PER_CHUNK, starts: np.ndarray | None = None) -> int:
         """Occurrences in ``rows`` ([n, width]), of windows starting where ``starts`` is true, if given."""
+        return len(self.find(rows, rows_per_chunk, starts))
+
+    def find(self, rows: np.ndarray, rows_per_chunk: int = _ROWS_PER_CHUNK,
+             starts: np.ndarray | None = None) -> list[tuple[int, tuple[int, ...]]]:
+        """Each occurrence, as (row index in ``rows``, the sequence), in row order."""
         width = rows.shape[1] if rows.ndim == 2 else 0
         by_length = {length: wanted for length, wanted in self.by_length.items() if length <= width}
         if rows.size == 0 or not by_length:
-            return 0
-        return sum(_count_in_chunk(rows[lo : lo + rows_per_chunk], by_length, self.start_token,
-                                   None if starts is None else starts[lo : lo + rows_per_chunk])
-                   for lo in range(0, len(rows), rows_per_chunk))
+            return []
+        found = []
+        for lo in range(0, len(rows), rows_per_chunk):
+            chunk_starts = None if starts is None else starts[lo : lo + rows_per_chunk]
+            found += [(lo + row, sequence) for row, sequence in
+                      _find_in_chunk(rows[lo : lo + rows_per_chunk], by_length, self.start_token, chunk_starts)]
+        return sorted(found, key=lambda hit: hit[0])
 
 
-def _count_in_chunk(rows: np.ndarray, by_length: dict, start_token: int | None, starts: np.ndarray | None) -> int:
+def _find_in_chunk(rows: np.ndarray, by_length: dict, start_token: int | None,
+                   starts: np.ndarray | None) -> list[tuple[int, tuple[int, ...]]]:
     n, width = rows.shape
     prefix = np.zeros((n, width + 1), dtype=np.uint64)
     tokens = rows.astype(np.uint64) + np.uint64(1)  # +1: a run of 0 tokens must not hash like nothing
@@ -138,7 +227,7 @@ def _count_in_chunk(rows: np.ndarray, by_length: dict, start_token: int | None, 
         if start_token is not None:
             allowed = allowed & (rows == start_token)
         anchor_rows, anchor_starts = np.nonzero(allowed)
-    found = 0
+    found = []
     for length, wanted in by_length.items():
         power = np.uint64(pow(int(_HASH_BASE), length, 2**64))
         targets = np.fromiter(wanted, dtype=np.uint64, count=len(wanted))
@@ -154,7 +243,9 @@ def _count_in_chunk(rows: np.ndarray, by_length: dict, start_token: int | None, 
                 hit = np.isin(hashes, targets)
                 row_of, start_of, hashes = row_of[hit], start_of[hit], hashes[hit]
         for row, start, value in zip(row_of.tolist(), start_of.tolist(), hashes.tolist()):
-            found += tuple(rows[row, start : start + length].tolist()) in wanted[value]
+            window = tuple(rows[row, start : start + length].tolist())
+            if window in wanted[value]:
+                found.append((row, window))
     return found
 
 
@@ -194,26 +285,6 @@ def _as_rows(column: pa.ChunkedArray, width: int) -> np.ndarray:
     return np.asarray(column.combine_chunks().flatten()).reshape(-1, width)
 
 
-def duplicate_records(records: list[dict[str, str]], records_path: str | None = None, limit: int = 3) -> tuple[int, list[str]]:
-    """(how many records repeat an earlier one, up to ``limit`` of them described by their lines): where
-    the duplicate packed rows come from, named in the user's own files when the origins are known."""
-    locations = RecordLocations(records_path)
-
-    def where(index: int) -> str:
-        return locations.users(index) or locations.frozen(index)
-
-    first: dict[bytes, int] = {}
-    repeats, examples = 0, []
-    for index, record in enumerate(records):
-        key = hashlib.blake2b(f"{record['prompt']}\0{record['response']}".encode(), digest_size=16).digest()
-        earlier = first.setdefault(key, index)
-        if earlier != index:
-            repeats += 1
-            if len(examples) < limit:
-                examples.append(f"{where(index)} repeats {where(earlier)}")
-    return repeats, examples
-
-
 def _as_frozen(records_path: str | None) -> str:
     """Which copy of the source the line numbers describe: later edits to the user's file are not in it."""
     if records_path is None:
@@ -223,28 +294,51 @@ def _as_frozen(records_path: str | None) -> str:
             "rematerialize raw_examples, then training_dataset)")
 
 
-def repeated_record_count(records: list[dict[str, str]]) -> int:
-    """How many records repeat an earlier one (same prompt and response)."""
-    keys = {hashlib.blake2b(f"{r['prompt']}\0{r['response']}".encode(), digest_size=16).digest() for r in records}
-    return len(records) - len(keys)
-
-
 # Share of source records that may repeat an earlier one: real exports (and the demo's small task
 # space: 0.5 % at 4 000 records, 2 % at 20 000) repeat some; a file exported twice repeats half.
 MAX_REPEATED_RECORDS = 0.05
+
+
+def _duplicate_outcome(duplicate_rows: int, source: SourceRecords | None, max_repeated_records: float) -> CheckOutcome:
+    """Without the source records, any repeated packed row fails: rows of distinct examples never
+    repeat. With them the records are judged: every example of a repeated row repeats an earlier
+    example, so repeated rows that number no more than the repeated records are those repeats, packed
+    alike, and pass while the repeats stay within ``max_repeated_records`` of the records."""
+    rows = f"{duplicate_rows} duplicate packed rows"
+    if source is None:
+        return CheckOutcome("no_duplicate_rows", duplicate_rows == 0, rows, {"duplicate_rows": duplicate_rows})
+    metadata = {"duplicate_rows": duplicate_rows, "duplicate_records": source.repeated}
+    repeated, total = source.repeated, len(source.records)
+    if not repeated:
+        return CheckOutcome("no_duplicate_rows", duplicate_rows == 0,
+                            f"{rows}; no source record repeats an earlier one's tokens"
+                            + (", so these rows are not packed from these records" if duplicate_rows else ""), metadata)
+    too_many = repeated > max_repeated_records * total
+    unexplained = duplicate_rows > repeated
+    allowed = f"{max_repeated_records * 100:g}%"
+    share = f"{repeated / total:.1%}, {'more than' if too_many else 'within'} the {allowed} allowed"
+    description = (rows + (", more than the repeated records explain" if unexplained else "")
+                   + f": {repeated} source records ({share}) repeat an earlier one, e.g. "
+                   + "; ".join(source.repeat_examples))
+    passed = not too_many and not unexplained
+    if not passed:
+        description += _as_frozen(source.records_path)
+    return CheckOutcome("no_duplicate_rows", passed, description, metadata)
 
 
 def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer, records: list[dict[str, str]] | None = None,
                        records_path: str | None = None,
                        max_repeated_records: float = MAX_REPEATED_RECORDS) -> list[CheckOutcome]:
     """Every check, reading the training split one row group at a time (bounded memory). With the
-    source ``records`` (and ``records_path``, the frozen file they came from), no_duplicate_rows also
-    fails when more than ``max_repeated_records`` of them repeat an earlier one (packing may put
-    repeats into distinct rows), and a failed duplicate check names the repeated records."""
+    source ``records`` (and ``records_path``, the frozen file they came from), tokenized again here,
+    no_duplicate_rows judges the records: it fails when more than ``max_repeated_records`` of them
+    repeat an earlier one as tokens (packing may put repeats into distinct rows), and passes repeated
+    rows those repeats explain; the duplicate and leakage checks name the records in the user's files."""
     files = sorted((Path(dataset_path) / "train").glob("*.parquet"))
     schema = pq.read_schema(files[0]) if files else pa.schema([])
     stats, widths, leaked = _RowStats(), set(), 0
     held_out = _eval_sequences(dataset_path, tokenizer)
+    found_at: dict[tuple[int, ...], tuple[str, int]] = {}  # where each leaked example is first found
     # Only windows at an example's start count: a held-out example that is the tail of a longer
     # training one was not copied into training. Starts are read from the packed layout, so the
     # verdict is the same with a BOS or without one (Qwen has none); a BOS only narrows the look.
@@ -253,6 +347,7 @@ def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer, records: list
     readable = {"input_ids", "labels"} <= set(schema.names)
     for path in files if readable and not other_schema else []:
         parquet = pq.ParquetFile(path)
+        first_rows = np.cumsum([0] + [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)])
         for index in range(parquet.num_row_groups):
             table = parquet.read_row_group(index, columns=["input_ids", "labels"])
             row_widths = {int(w) for name in ("input_ids", "labels") for w in _row_widths(table.column(name))}
@@ -262,30 +357,22 @@ def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer, records: list
             width = row_widths.pop()
             input_ids, labels = _as_rows(table.column("input_ids"), width), _as_rows(table.column("labels"), width)
             stats.add(input_ids, labels)
-            leaked += held_out_index.count(input_ids, starts=example_starts(input_ids, labels, tokenizer.eos_token_id))
+            hits = held_out_index.find(input_ids, starts=example_starts(input_ids, labels, tokenizer.eos_token_id))
+            leaked += len(hits)
+            for row, sequence in hits:
+                found_at.setdefault(sequence, (path.name, int(first_rows[index]) + row))
     schema_outcome = check_schema(schema, seq_len, widths or {seq_len})
     if other_schema:
         schema_outcome = CheckOutcome("schema", False, f"{', '.join(other_schema)}: another schema than "
                                       f"{files[0].name} ({schema_outcome.description})", schema_outcome.metadata)
+    source = SourceRecords(records, tokenizer, records_path, held_out) if records else None
+    empty_rows, token_lengths = stats.outcomes(seq_len)
     outcomes = [
         schema_outcome,
-        *stats.outcomes(seq_len),
-        _leakage_outcome(leaked, len(held_out)),
+        empty_rows,
+        _duplicate_outcome(stats.duplicate_rows, source, max_repeated_records),
+        token_lengths,
+        _leakage_outcome(leaked, held_out, found_at, source),
     ]
-    duplicate_check = outcomes[2]
-    if records:
-        repeated = repeated_record_count(records)
-        too_many = repeated > max_repeated_records * len(records)
-        metadata = {**duplicate_check.metadata, "duplicate_records": repeated}
-        if (too_many or not duplicate_check.passed) and repeated:  # then name them, in the user's files
-            _, examples = duplicate_records(records, records_path)
-            share = f" ({repeated / len(records):.1%}, more than the {max_repeated_records:.0%} allowed)" if too_many else ""
-            outcomes[2] = CheckOutcome(
-                duplicate_check.name, False,
-                f"{duplicate_check.description}: {repeated} source records{share} repeat an earlier one, e.g. "
-                + "; ".join(examples) + _as_frozen(records_path), metadata)
-        else:
-            outcomes[2] = CheckOutcome(duplicate_check.name, duplicate_check.passed,
-                                       f"{duplicate_check.description}; {repeated} repeated source records", metadata)
     assert tuple(o.name for o in outcomes) == DATASET_CHECK_NAMES, "update DATASET_CHECK_NAMES with the checks"
     return outcomes

@@ -31,6 +31,7 @@ class DatasetWindow:
         if len(seq_lens) != 1:
             raise ValueError(f"partitions {keys} were packed with different seq_len {sorted(seq_lens)}; "
                              "rematerialize training_dataset for them with one seq_len")
+        _refuse_mixed_eval_fractions({k: by_partition[k].split_eval_fraction() for k in keys})
         return cls(keys, [by_partition[k] for k in keys])
 
     @property
@@ -58,6 +59,18 @@ class DatasetWindow:
         no reproduction can rebuild)."""
         return [key for key, d in zip(self.partition_keys, self.datasets)
                 if cache_versions.get(key) != cache_version(d.digest, TRAINING_COLUMNS, TRAINING_TRANSFORM_VERSION)]
+
+
+def _refuse_mixed_eval_fractions(fractions: dict[str, float | None]) -> None:
+    """The split is a pure function of (prompt tokens, eval_fraction): with another fraction on another
+    day, a prompt held out (and scored) on one day is trained on from the other. A day whose fraction
+    nothing records (no manifest left) is not compared: training refuses it for that missing manifest."""
+    known = {key: fraction for key, fraction in fractions.items() if fraction is not None}
+    if len(set(known.values())) > 1:
+        days = ", ".join(f"{key} (eval_fraction={fraction})" for key, fraction in known.items())
+        raise ValueError(f"partitions {days} were split with different eval_fraction, so prompts held out on one "
+                         "day are trained on from another; rematerialize training_dataset for them with one "
+                         "eval_fraction")
 
 
 def eval_records(dataset_paths: list[str]) -> list[dict[str, str]]:
