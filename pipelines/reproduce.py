@@ -6,32 +6,41 @@ import shutil
 import uuid
 from pathlib import Path
 
+import dagster as dg
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from pipelines.resources_local import RAY_ADDRESS_ENV, local_resources
-from resources import ExternalRayCluster, MlflowTracker
+from resources import MlflowTracker, TesseraStorage
+from resources.paths import RAY_STORAGE_ENV
 from resources.ray_cluster import (
     RayClusterUnreachable,
+    RayResource,
     alive_node_resources,
+    connect_unless_connected,
     gpu_available_in_cluster,
-    wait_until_reachable,
 )
 from training_core.data.window import eval_records
 from training_core.errors import ConfigError, LineageError, TesseraError
 from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
 from training_core.reproduce import compare_runs, lineage_drift, load_recorded_run
 from training_core.runs import run_tracked_training
+from training_core.tracking import MlflowTracking
+
+# The long-lived RayCluster of deploy/kuberay/raycluster.yaml (tessera-ray in namespace tessera), by Ray Client.
+KUBERAY_CLIENT_ADDRESS = "ray://tessera-ray-head-svc.tessera.svc.cluster.local:10001"
 
 
 def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None) -> int:
     """``tracking_uri``: the MLflow store that recorded the run (a tracking server, as the Kubernetes
     deployment's); default the state folder's mlflow.db, as the local code location records. Only
     given explicitly: an MLFLOW_TRACKING_URI exported for other work is not where local runs are."""
-    # The code location's own wiring: the same state folder, MLflow store and Ray address.
+    # The code location's own wiring: the same state folder, MLflow store and Ray cluster
+    # (TESSERA_RAY_ADDRESS), with the Kubernetes deployment's Ray storage where it is set.
     resources = local_resources()
     storage, tracker, cache = resources["storage"], resources["mlflow_tracker"], resources["cache"]
+    storage = _with_deployment_ray_storage(storage)
     if tracking_uri:
         tracker = MlflowTracker(storage=storage, tracking_uri=tracking_uri)
     store = storage.root / "mlflow.db"
@@ -55,13 +64,19 @@ def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None
     except LineageError as error:
         console.print(f"[red]cannot reproduce:[/] {escape(str(error))}")  # paths and JSON may hold "[...]"
         return 2
+    tracking = _in_experiment_of(tracking, run_id, storage, tracker.tracking_uri)
     print_drift(console, run_id, lineage_drift(recorded.params) + recorded.config_drift)
+    ray_cluster = resources["ray_cluster"]
     try:
-        _connect_to_ray(os.environ.get(RAY_ADDRESS_ENV))
+        _connect_to_ray(ray_cluster)
     except RayClusterUnreachable as error:
         console.print(f"[red]cannot reproduce:[/] {escape(str(error))}")
         return 2
-    recorded.config.check_hardware(gpu_available_in_cluster())  # a GPU run on a CPU-only cluster
+    try:  # a GPU run on a CPU-only cluster, e.g. in-process Ray in a pod of the Kubernetes deployment
+        recorded.config.check_hardware(gpu_available_in_cluster())
+    except ConfigError as error:
+        console.print(f"[red]cannot reproduce:[/] {escape(_gpu_refusal(run_id, error, ray_cluster))}")
+        return 2
     try:  # evaluated as the original was (a bf16 GPU evaluation gives other losses): checked before training
         eval_settings = recorded.eval_settings.for_this_process()
     except ConfigError as error:
@@ -82,8 +97,7 @@ def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None
         base_model_checked=True,  # load_recorded_run compared it with the recorded digest
     )
     # A reproduction is never resumed or reused: its checkpoints would only fill the disk.
-    if "://" not in storage.ray_storage:
-        shutil.rmtree(Path(storage.ray_storage) / tracked.result.run_name, ignore_errors=True)
+    shutil.rmtree(Path(storage.ray_storage) / tracked.result.run_name, ignore_errors=True)
     records = eval_records(recorded.inputs.dataset_paths)
     base, trained = evaluate_against_base(recorded.inputs.base_model, tracked.result.model_dir, records, eval_settings)
     report = EvaluationReport(base, trained, tracked.result.model_dir, tracked.mlflow_run_id)
@@ -99,20 +113,39 @@ def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None
     return 0 if all(equal is not False for *_, equal in rows) else 1
 
 
-def _connect_to_ray(address: str | None) -> None:
-    import ray
+def _with_deployment_ray_storage(storage: TesseraStorage) -> TesseraStorage:
+    """``storage`` with TESSERA_RAY_STORAGE as its Ray storage when set, as the Kubernetes code location
+    reads it (ConfigMap tessera-config): the folder on the volume the Ray pods mount."""
+    ray_storage = os.environ.get(RAY_STORAGE_ENV)
+    return TesseraStorage(home=storage.home, ray_storage_uri=ray_storage) if ray_storage else storage
 
-    from training_core.train.ray_trainer import use_local_ray_defaults
 
-    if ray.is_initialized():
-        return
-    if address:
-        cluster = ExternalRayCluster(address=address)
-        wait_until_reachable(cluster.address, cluster.connect_timeout_s)
-        ray.init(address=cluster.address, logging_level="warning")
-    else:
-        use_local_ray_defaults()  # as the local code location's LocalRayCluster runs it
-        ray.init(address="local", logging_level="warning")  # never join RAY_ADDRESS or a `ray start` cluster
+def _in_experiment_of(tracking: MlflowTracking, run_id: str, storage: TesseraStorage,
+                      tracking_uri: str | None) -> MlflowTracking:
+    """Tracking that logs into the recorded run's MLflow experiment: the reproduction sits beside the
+    original (tag ``reproduces``), whatever experiment the run config's mlflow_tracker named."""
+    experiment_id = tracking.client.get_run(run_id).info.experiment_id
+    if experiment_id == tracking.experiment_id:
+        return tracking
+    experiment = tracking.client.get_experiment(experiment_id).name
+    return MlflowTracker(storage=storage, tracking_uri=tracking_uri, experiment=experiment).client()
+
+
+def _gpu_refusal(run_id: str, error: ConfigError, ray_cluster: RayResource) -> str:
+    where = ("in-process Ray on this machine" if ray_cluster.ray_address == "local"
+             else f"{RAY_ADDRESS_ENV}={ray_cluster.ray_address}")
+    return (f"run {run_id}: {error} in the Ray cluster it would train on ({where}). To reproduce it on GPUs, "
+            f"set {RAY_ADDRESS_ENV} to the head of a cluster with GPU nodes (HOST:PORT, or ray://HOST:10001 "
+            f"through Ray Client); in a pod of the Kubernetes deployment, {RAY_ADDRESS_ENV}={KUBERAY_CLIENT_ADDRESS} "
+            "(the RayCluster of deploy/kuberay/raycluster.yaml; see docs/scaling_out.md)")
+
+
+def _connect_to_ray(ray_cluster: RayResource) -> None:
+    """As the training asset connects: in-process Ray, or the cluster at TESSERA_RAY_ADDRESS, each
+    with the settings of its resource (unless this process already runs Ray). The context, which
+    dagster-ray logs through, brings an in-memory Dagster instance: nothing is written."""
+    with dg.build_init_resource_context() as context:
+        connect_unless_connected(ray_cluster, context)
 
 
 def print_drift(console: Console, run_id: str, drift: list[tuple[str, str, str]]) -> None:

@@ -7,11 +7,12 @@ import uuid
 from pathlib import Path
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from training_core.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+RAY_STORAGE_ENV = "TESSERA_RAY_STORAGE"  # storage.ray_storage_uri on Kubernetes (ConfigMap tessera-config)
 
 
 def default_home() -> Path:
@@ -24,8 +25,27 @@ class TesseraStorage(dg.ConfigurableResource):
 
     home: str | None = Field(None, description="state root; default $TESSERA_HOME or .tessera/ in the repo")
     ray_storage_uri: str | None = Field(
-        None, description="Ray Train storage (checkpoints), shared by all nodes; default <home>/ray"
+        None, description="Ray Train storage (checkpoints): an absolute path that every Ray node and the "
+                          "training step see at the same place (a shared volume); default <home>/ray. "
+                          "Not an object-store URI",
     )
+
+    @field_validator("ray_storage_uri", mode="before")
+    @classmethod
+    def _absolute_local_path(cls, value: object) -> object:
+        """The launcher resumes and relaunches by reading a run's checkpoints as local files, and
+        Ray Train gets the folder as a path: ``s3://bucket/x`` became ``s3:/bucket/x`` and failed
+        only after Ray had started, a relative path likewise, neither naming this setting. An
+        ``EnvVar`` is checked once Dagster resolves it (before, the value is the variable's name)."""
+        if value is None or isinstance(value, dg.EnvVar):
+            return value
+        text = str(value)
+        if "://" in text or not Path(text).expanduser().is_absolute():
+            raise ValueError(
+                f"storage.ray_storage_uri ({RAY_STORAGE_ENV} on Kubernetes) {text!r}: expected an absolute path; "
+                "object-store URIs are not supported. To share checkpoints across nodes, mount one filesystem "
+                "(NFS, EFS, CephFS, ...) at the same path on every node and name a folder on it")
+        return str(Path(text).expanduser())
 
     @property
     def root(self) -> Path:

@@ -153,7 +153,11 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
 
     @property
     def host(self) -> str:
-        return self.address.split(":")[0]
+        """The head node's host as the address names it (``[::1]`` keeps its brackets, so
+        dagster-ray's ``dashboard_url`` stays a valid URL)."""
+        if self.address == "auto":
+            return "127.0.0.1"  # 'auto' names no host: usually a `ray start` cluster on this machine
+        return self.address.removeprefix("ray://").rpartition(":")[0]
 
     @property
     def name(self) -> str:

@@ -63,6 +63,14 @@ def test_external_clusters_count_as_created_and_ready_so_training_only_connects(
     assert cluster.created and cluster.ready
 
 
+@pytest.mark.parametrize(("address", "host"), [("10.0.0.5:6379", "10.0.0.5"), ("ray://head:10001", "head"),
+                                                ("[::1]:6379", "[::1]"), ("auto", "127.0.0.1")])
+def test_an_external_clusters_dashboard_is_on_the_head_named_by_its_address(address, host):
+    cluster = ExternalRayCluster(address=address)
+    assert cluster.host == host
+    assert cluster.dashboard_url == f"http://{host}:8265"
+
+
 @pytest.mark.parametrize(
     ("field", "env", "setter", "local_default"),
     [("preemption_watcher", "PREEMPTION_WATCHER_ENV", "use_preemption_watcher", False),
@@ -78,7 +86,7 @@ def test_local_ray_changes_ray_train_defaults_unless_the_operator_set_them(
 
     env, use = getattr(ray_trainer, env), getattr(ray_trainer, setter)
     assert getattr(LocalRayCluster(), field) is local_default
-    assert env in ray_trainer.LOCAL_RAY_SETTINGS_ENV  # cleared where a process trains elsewhere
+    assert env in ray_trainer.LOCAL_RAY_SETTINGS_ENV  # left out where a child process trains on another cluster
     ours, theirs = ("1", "0") if local_default else ("0", "1")
     monkeypatch.delenv(env, raising=False)
     use(local_default)

@@ -150,11 +150,12 @@ def _must_not_train(*args, **kwargs):
 
 
 def _resources_for(tracking: MlflowTracking, tmp_path: Path) -> dict:
-    from resources import RowGroupCache, TesseraStorage
+    from resources import LocalRayCluster, RowGroupCache, TesseraStorage
 
     storage = TesseraStorage(home=str(tmp_path))
     (tmp_path / "mlflow.db").touch(exist_ok=True)
-    return {"storage": storage, "mlflow_tracker": _FixedTracker(tracking), "cache": RowGroupCache(storage=storage)}
+    return {"storage": storage, "mlflow_tracker": _FixedTracker(tracking), "cache": RowGroupCache(storage=storage),
+            "ray_cluster": LocalRayCluster()}
 
 
 class _FixedTracker:

@@ -57,7 +57,9 @@ def use_pooled_worker_processes(enabled: bool) -> None:
     os.environ.setdefault(POOLED_PROCESSES_ENV, "1" if enabled else "0")
 
 
-# What a local cluster sets in the environment (a process that starts trainers elsewhere clears it).
+# What a local cluster sets in this process's environment. Nothing unsets them: a Tessera process trains on
+# one kind of cluster. Only a process that trains on local Ray and launches a child to train on another
+# cluster must leave them out of the child's environment (tests/integration/test_external_cluster.py does).
 LOCAL_RAY_SETTINGS_ENV = (PREEMPTION_WATCHER_ENV, CLUSTER_SERVICES_ENV, POOLED_PROCESSES_ENV)
 
 

@@ -1,0 +1,100 @@
+"""`tessera reproduce` in a pod of the Kubernetes deployment: it reads the deployment's settings as its
+code location does (TESSERA_RAY_STORAGE, TESSERA_RAY_ADDRESS), logs into the recorded run's MLflow
+experiment, and refuses a GPU run on a Ray without GPUs saying how to reach the GPU cluster.
+
+Runs are recorded in the state folder's real SQLite MLflow store and read back by the real
+`load_recorded_run`; Ray is not started (where reproduce connects and trains is recorded instead)."""
+
+from __future__ import annotations
+
+import json
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from pipelines import reproduce
+from tests.unit.deploy_support import RAY_MANIFEST
+from tests.unit.test_reproduce_inputs import _published_dataset, _record_run
+from training_core.tracking import MlflowTracking
+from training_core.train.config import TrainingConfig
+
+
+class _Trained(Exception):
+    """Stops the reproduction where it would train: what it would train with is recorded."""
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch) -> Path:
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("TESSERA_HOME", str(home))
+    for name in ("TESSERA_RAY_ADDRESS", "TESSERA_RAY_STORAGE"):
+        monkeypatch.delenv(name, raising=False)
+    return home
+
+
+def _recorded_run(home: Path, experiment: str = "tessera", config: TrainingConfig | None = None) -> tuple[str, str]:
+    """(run id, experiment id) of a finished run in the state folder's MLflow store."""
+    tracking = MlflowTracking(f"sqlite:///{home / 'mlflow.db'}", home / "mlartifacts", experiment)
+    config = config or TrainingConfig()
+    run_id = _record_run(tracking, home, [_published_dataset(home / "datasets" / "2026-11-01")],
+                         config_text=json.dumps(config.model_dump(mode="json")),
+                         overrides={"config_digest": config.digest()})
+    return run_id, tracking.experiment_id
+
+
+def _reproduce_until_training(monkeypatch, run_id: str) -> dict:
+    trained_with = {}
+
+    def record(config, inputs, tracking, **kwargs):
+        trained_with.update(experiment_id=tracking.experiment_id, ray_storage=kwargs["ray_storage"])
+        raise _Trained
+
+    monkeypatch.setattr(reproduce, "_connect_to_ray", lambda ray_cluster: None)
+    monkeypatch.setattr(reproduce, "gpu_available_in_cluster", lambda: False)
+    monkeypatch.setattr(reproduce, "alive_node_resources", lambda: [{"CPU": 64.0}])
+    monkeypatch.setattr(reproduce, "run_tracked_training", record)
+    with pytest.raises(_Trained):
+        reproduce.reproduce_run(run_id, Console(file=StringIO()))
+    return trained_with
+
+
+def test_reproduce_checkpoints_to_the_deployments_ray_storage(home, tmp_path, monkeypatch):
+    run_id, _ = _recorded_run(home)
+    assert _reproduce_until_training(monkeypatch, run_id)["ray_storage"] == str(home / "ray")
+    monkeypatch.setenv("TESSERA_RAY_STORAGE", str(tmp_path / "shared" / "ray"))  # ConfigMap tessera-config
+    assert _reproduce_until_training(monkeypatch, run_id)["ray_storage"] == str(tmp_path / "shared" / "ray")
+
+
+def test_reproduce_logs_the_reproduction_into_the_recorded_runs_experiment(home, monkeypatch):
+    # A run config that named another mlflow_tracker.experiment recorded the run there.
+    run_id, experiment_id = _recorded_run(home, experiment="llm-platform")
+    assert _reproduce_until_training(monkeypatch, run_id)["experiment_id"] == experiment_id
+
+
+@pytest.mark.parametrize(("address", "where"), [(None, "in-process Ray on this machine"),
+                                                ("10.0.0.5:6379", "TESSERA_RAY_ADDRESS=10.0.0.5:6379")],
+                         ids=["in-process ray", "external cluster"])
+def test_a_gpu_run_on_a_ray_without_gpus_is_refused_saying_how_to_train_on_the_gpu_cluster(
+        home, monkeypatch, address, where):
+    if address:
+        monkeypatch.setenv("TESSERA_RAY_ADDRESS", address)
+    run_id, _ = _recorded_run(home, config=TrainingConfig(use_gpu=True))
+    connected = []
+    monkeypatch.setattr(reproduce, "connect_unless_connected", lambda cluster, context: connected.append(cluster))
+    monkeypatch.setattr(reproduce, "gpu_available_in_cluster", lambda: False)
+    output = StringIO()
+
+    assert reproduce.reproduce_run(run_id, Console(file=output, soft_wrap=True)) == 2
+    # connected as the code location's ray_cluster resource connects
+    assert [cluster.ray_address for cluster in connected] == [address or "local"]
+    assert (f"cannot reproduce: run {run_id}: use_gpu=True but no CUDA GPU is visible in the Ray cluster it would "
+            f"train on ({where}). To reproduce it on GPUs, set TESSERA_RAY_ADDRESS to the head of a cluster with GPU "
+            "nodes") in output.getvalue()
+    # the address KubeRay gives the head service of deploy/kuberay/raycluster.yaml: renaming the cluster
+    # or its namespace there must update the address this refusal names
+    meta = RAY_MANIFEST["metadata"]
+    head_service = f"ray://{meta['name']}-head-svc.{meta['namespace']}.svc.cluster.local:10001"
+    assert f"in a pod of the Kubernetes deployment, TESSERA_RAY_ADDRESS={head_service}" in output.getvalue()
