@@ -300,3 +300,38 @@ def test_a_local_source_path_starting_with_a_tilde_is_expanded(tmp_path, monkeyp
             assert reader.dataset.files[0].path == "/~/tilde/a.parquet"
     finally:
         memory.rm("/~", recursive=True)
+
+
+def test_linked_folders_are_read_once_and_a_link_to_a_file_that_is_gone_is_refused_by_name(tmp_path):
+    """pyarrow's local listing leaves a dangling link out (the file it stood for would go unread) and
+    walks a folder loop until the OS refuses the path (each file read ~40 times)."""
+    import os
+    import re
+
+    store = write_ids_dataset(tmp_path / "store", [(30, 10), (20, 10)])
+    data = tmp_path / "data"
+    (data / "region").mkdir(parents=True)
+    (data / "a.parquet").symlink_to(store / "part-000.parquet")
+    (data / "region" / "linked").symlink_to(store, target_is_directory=True)  # folder links are followed
+    (data / "region" / "linked-again").symlink_to(store, target_is_directory=True)  # ... once
+    (store / "loop").symlink_to(data, target_is_directory=True)  # a link to an ancestor: read once
+    (data / "_SUCCESS").symlink_to(tmp_path / "gone-marker")  # a side file: ignored, gone or not
+    with RowGroupReader(data) as reader:
+        assert [file.path for file in reader.dataset.files] == [
+            str(data / "a.parquet"), str(data / "region" / "linked" / "part-000.parquet"),
+            str(data / "region" / "linked" / "part-001.parquet")]
+    assert sorted(np.concatenate(read_ids(data)).tolist()) == sorted([*range(30), *range(50)])
+
+    (data / "region" / "b.parquet").symlink_to(store / "gone.parquet")
+    link = data / "region" / "b.parquet"
+    named = (f"{link}: a link to {store / 'gone.parquet'}, which leads to no file (its target is gone, or links loop); "
+             "restore the target or remove the link")
+    with pytest.raises(SourceError, match=f"^{re.escape(named)}$"):
+        RowGroupReader(data)
+    with pytest.raises(SourceError, match=f"^{re.escape(named)}$"):  # named on its own in a list of sources
+        RowGroupReader([store / "part-001.parquet", link])
+    os.remove(link)
+    (data / "loop.parquet").symlink_to(data / "loop.parquet")
+    with pytest.raises(SourceError, match=re.escape(f"{data / 'loop.parquet'}: a link to {data / 'loop.parquet'}, "
+                                                    "which leads to no file")):
+        RowGroupReader(data)

@@ -144,12 +144,18 @@ def list_parquet_files(
         chosen_fs = fs
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
+            if isinstance(fs, pafs.LocalFileSystem) and os.path.islink(path):
+                raise SourceError(_link_to_nothing(str(item), path))
             raise SourceError(f"{item}: no such file or directory")
         if info.type == pafs.FileType.File:
             found[info.path] = info
             continue
         before_request(f"listing {path}")
-        for child in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
+        if isinstance(fs, pafs.LocalFileSystem):
+            children = fs.get_file_info(_local_files_below(path))
+        else:
+            children = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+        for child in children:
             if child.type != pafs.FileType.File:
                 continue
             relative = child.path[len(path.rstrip("/")) + 1 :]
@@ -165,6 +171,40 @@ def list_parquet_files(
         raise SourceError(f"{source}: no Parquet files found")
     assert chosen_fs is not None
     return chosen_fs, [found[key] for key in sorted(found)]
+
+
+def _local_files_below(root: str) -> list[str]:
+    """Every file below the local folder ``root``, links followed (side folders left out). A folder
+    whose real path was walked already (a link to an ancestor, or a second link to one folder) is
+    walked once: pyarrow's listing walks a loop until the OS refuses the path, and reads each file
+    as often. A link whose target is gone is refused: pyarrow's listing leaves it out, and the file it
+    stood for would go unread without a word."""
+    files, dangling, walked = [], [], set()
+
+    def refuse(error: OSError) -> None:  # os.walk would skip an unlistable folder without a word
+        raise SourceError(f"{error.filename}: cannot be listed ({error.strerror or error})") from error
+
+    for folder, subfolders, names in os.walk(root, onerror=refuse, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in walked:
+            logger.info("source %s: %s is a link to %s, which is read already", root, folder, real)
+            subfolders.clear()
+            continue
+        walked.add(real)
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith((".", "_")))  # first link wins
+        for name in names:
+            file = os.path.join(folder, name)
+            if _is_side_file(os.path.relpath(file, root)):
+                continue
+            (dangling if os.path.islink(file) and not os.path.exists(file) else files).append(file)
+    if dangling:
+        raise SourceError("; ".join(_link_to_nothing(link, link) for link in sorted(dangling)))
+    return files
+
+
+def _link_to_nothing(shown: str, link: str) -> str:
+    return (f"{shown}: a link to {os.readlink(link)}, which leads to no file (its target is gone, or links "
+            "loop); restore the target or remove the link")
 
 
 def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo, max_attempts: int = 3,
