@@ -10,7 +10,7 @@ from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY
 from resources import RowGroupCache
 from training_core.data import warm_cache
-from training_core.data.batch_columns import TRAINING_COLUMNS
+from training_core.data.batch_columns import TRAINING_COLUMNS, TRAINING_TRANSFORM, TRAINING_TRANSFORM_VERSION
 from training_core.data.dataset_writer import PublishedDataset
 
 
@@ -33,7 +33,8 @@ def row_group_cache(context: dg.AssetExecutionContext, cache: RowGroupCache, tra
     cache_config = cache.config()
     report = warm_cache(
         str(training_dataset.train_dir), cache_config, columns=TRAINING_COLUMNS, workers=2,
-        dataset_digest=training_dataset.digest,
+        dataset_digest=training_dataset.digest, transform=TRAINING_TRANSFORM,
+        transform_version=TRAINING_TRANSFORM_VERSION,
     )
     context.log.info("cache %s: %d entries, hit rate %.2f", report.cache_version, report.entries, report.hit_rate)
     row_groups = report.hits + report.misses

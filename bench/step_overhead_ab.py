@@ -54,6 +54,7 @@ def _step_loop(variant: str) -> dict:
     from bench.training import DATA_ROOT, LORA_R, MICRO_BATCH, prepare_inputs
     from training_core.data import CacheConfig, RowGroupReader
     from training_core.data.batch_columns import TRAINING_COLUMNS
+    from training_core.train.batches import DEFAULT_CACHE_SIZE_LIMIT_BYTES
     from training_core.train.config import TrainingConfig
     from training_core.train.model_setup import apply_method, load_base_model
 
@@ -66,7 +67,7 @@ def _step_loop(variant: str) -> dict:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
     reader = RowGroupReader([inputs.train_dir], columns=TRAINING_COLUMNS, batch_size=MICRO_BATCH,
                             seed=config.data_seed, shuffle_buffer_row_groups=config.shuffle_buffer_row_groups,
-                            workers=1, cache=CacheConfig(inputs.cache_dir, config.cache_size_limit_bytes),
+                            workers=1, cache=CacheConfig(inputs.cache_dir, DEFAULT_CACHE_SIZE_LIMIT_BYTES),
                             drop_last=True)
     decoded = [{n: torch.from_numpy(b[n]).long() for n in TRAINING_COLUMNS} for b in reader]
     batches = iter(())

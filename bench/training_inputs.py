@@ -72,8 +72,9 @@ def warm_row_group_cache(inputs: BenchInputs) -> None:
     """As in the pipeline, where the row_group_cache asset runs before lora_adapter. Done on every
     benchmark run: cheap (18 row groups), and entries written by an older cache format are replaced."""
     from training_core.data import CacheConfig, warm_cache
-    from training_core.data.batch_columns import TRAINING_COLUMNS
-    from training_core.train.config import TrainingConfig
+    from training_core.data.batch_columns import TRAINING_COLUMNS, TRAINING_TRANSFORM, TRAINING_TRANSFORM_VERSION
+    from training_core.train.batches import DEFAULT_CACHE_SIZE_LIMIT_BYTES
 
-    warm_cache(inputs.train_dir, CacheConfig(inputs.cache_dir, TrainingConfig().cache_size_limit_bytes),
-               columns=TRAINING_COLUMNS, dataset_digest=inputs.dataset_digest)
+    warm_cache(inputs.train_dir, CacheConfig(inputs.cache_dir, DEFAULT_CACHE_SIZE_LIMIT_BYTES),
+               columns=TRAINING_COLUMNS, dataset_digest=inputs.dataset_digest, transform=TRAINING_TRANSFORM,
+               transform_version=TRAINING_TRANSFORM_VERSION)

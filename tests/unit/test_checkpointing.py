@@ -347,8 +347,7 @@ def test_a_relaunch_may_change_how_the_run_executes_and_old_checkpoints_are_acce
                 settings=(STARTED_WITH, "/models/base", ["/data/day-1/train"]))
     check_relaunch_settings(STARTED_WITH, run, "/models/base", ["/data/day-1/train"])
     # Settings of where and how fast it runs, not of what it trains (the world size has its own check).
-    elsewhere = STARTED_WITH.model_copy(update={"num_workers": 2, "loader_workers": 3, "cpus_per_worker": 2,
-                                                "cache_size_limit_bytes": 1 << 20})
+    elsewhere = STARTED_WITH.model_copy(update={"num_workers": 2, "loader_workers": 3, "cpus_per_worker": 2})
     check_relaunch_settings(elsewhere, run, "/models/base", ["/data/day-1/train"])
     check_relaunch_settings(TrainingConfig(learning_rate=1.0), tmp_path / "ray" / "new-run", "/m", ["/d"])
 

@@ -13,7 +13,7 @@ import torch
 
 from training_core.data import CacheConfig, RowGroupReader
 from training_core.data.batch_columns import TRAINING_COLUMNS
-from training_core.train.batches import EpochBatches
+from training_core.train.batches import DEFAULT_CACHE_SIZE_LIMIT_BYTES, EpochBatches
 from training_core.train.config import TrainingConfig
 
 ROWS, SEQ = 120, 8
@@ -46,7 +46,7 @@ def _per_epoch_reference(inputs, config: TrainingConfig, rank: int, epochs: int)
         with RowGroupReader(inputs.train_dirs, columns=TRAINING_COLUMNS, batch_size=config.micro_batch_size,
                             seed=config.data_seed, epoch=epoch, shuffle_buffer_row_groups=config.shuffle_buffer_row_groups,
                             rank=rank, world_size=config.num_workers, workers=1,
-                            cache=CacheConfig(Path(inputs.cache_dir), config.cache_size_limit_bytes),
+                            cache=CacheConfig(Path(inputs.cache_dir), DEFAULT_CACHE_SIZE_LIMIT_BYTES),
                             drop_last=True) as reader:
             out.extend(_rows(batch) for batch in reader)
     return out

@@ -115,8 +115,8 @@ def test_the_launchpad_reaches_every_training_setting_an_operator_tunes():
 
     launchpad = set(TrainingRunConfig.model_fields)
     not_launchable = set(TrainingConfig.model_fields) - launchpad
-    # lora: flattened into lora_* fields; the cache quota comes from the warmed cache it reads.
-    assert not_launchable == {"lora", "report_every_steps", "cache_size_limit_bytes"}
+    # lora: flattened into lora_* fields.
+    assert not_launchable == {"lora"}
     default = TrainingRunConfig().training_config()
     assert default.model_dump(exclude={"lora"}) == TrainingConfig().model_dump(exclude={"lora"})
     assert default.lora.model_dump(exclude={"modules_to_save"}) == TrainingConfig().lora.model_dump(

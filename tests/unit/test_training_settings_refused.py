@@ -149,3 +149,25 @@ def _tiny_training_dir(tmp_path):
     tokens = pa.array([[1] * 8] * 16, type=pa.list_(pa.int32()))
     pq.write_table(pa.table({"input_ids": tokens, "labels": tokens}), folder / "part-0.parquet")
     return folder
+
+
+@pytest.mark.parametrize("retired", [{"cache_size_limit_bytes": 1 << 30}, {"report_every_steps": 10}])
+def test_retired_settings_of_recorded_configs_are_read_and_refuse_no_relaunch(retired):
+    """cache_size_limit_bytes and report_every_steps were recorded in every run's config but never
+    used (the loader reads the cache under the quota it was warmed with; every step's loss is
+    reported with each checkpoint): gone from the config, still read in configs recorded with them
+    (MLflow's training_config.json, a checkpoint's progress.json)."""
+    from training_core.train.checkpointing import TrainingProgress, settings_changed_since
+    from training_core.train.config import config_values_digest
+
+    assert not retired.keys() & TrainingConfig.model_fields.keys()
+    recorded = {**TrainingConfig(learning_rate=0.01).model_dump(mode="json"), **retired}
+    config = parse_training_config(recorded)
+    assert config == TrainingConfig(learning_rate=0.01)
+    # A relaunch of a run folder started by the code that recorded it, with the same settings, resumes.
+    started = TrainingProgress(config_digest=config_values_digest(recorded), config=recorded, base_model="/m",
+                               training_data=["/d"])
+    assert config.digest() != started.config_digest  # the digest of a config recorded from now on differs
+    assert settings_changed_since(started, config, "/m", ["/d"]) == []
+    assert settings_changed_since(started, TrainingConfig(learning_rate=0.02), "/m", ["/d"]) == [
+        "learning_rate: 0.01 → 0.02"]

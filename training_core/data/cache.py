@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import diskcache
 import numpy as np
@@ -461,8 +461,13 @@ def warm_cache(
     *,
     filesystem: Any | None = None,
     read_timeout_s: float = 60.0,
+    transform: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+    transform_version: str = "none",
 ) -> CacheWarmReport:
-    """Decode every row group of ``source`` into the cache; returns what it found and stored."""
+    """Decode every row group of ``source`` into the cache; returns what it found and stored.
+    ``transform`` / ``transform_version``: those of the reader that will read the cache (see
+    :class:`~training_core.data.RowGroupReader`); its entries are stored, and found, under that version."""
     from .workers import load_all_row_groups  # workers imports this module
 
-    return load_all_row_groups(source, cache, columns, workers, dataset_digest, filesystem, read_timeout_s)
+    return load_all_row_groups(source, cache, columns, workers, dataset_digest, filesystem, read_timeout_s,
+                               transform, transform_version)

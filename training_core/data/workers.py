@@ -416,6 +416,8 @@ def load_all_row_groups(
     dataset_digest: str | None,
     filesystem: Any | None,
     read_timeout_s: float,
+    transform: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None,
+    transform_version: str,
 ) -> CacheWarmReport:
     """Implementation of :func:`training_core.data.cache.warm_cache`."""
     name = f"{THREAD_PREFIX}-warm-{id(config):x}"
@@ -426,7 +428,7 @@ def load_all_row_groups(
     cache = RowGroupCache(config)
     try:  # the cache handle is closed on failure too (a failed read leaves only whole, checksummed entries)
         orphans = cache.remove_orphan_files()
-        loader = RowGroupLoader(index, cache, None, "none", read_timeout_s)
+        loader = RowGroupLoader(index, cache, transform, transform_version, read_timeout_s)
         pool, stop = WorkerPool(workers, name), threading.Event()
         try:
             window = max(2 * workers, 2)
@@ -447,7 +449,7 @@ def load_all_row_groups(
             evictions=counters.evictions,
             corruptions=counters.corruptions,
             hit_rate=counters.hits / max(counters.hits + counters.misses, 1),
-            cache_version=cache_version(dataset_digest or index.digest(), index.columns, "none"),
+            cache_version=cache_version(dataset_digest or index.digest(), index.columns, transform_version),
             orphan_files_removed=orphans,
         )
     finally:

@@ -8,10 +8,13 @@ from pathlib import Path
 import torch
 
 from training_core.data import CacheConfig, RowGroupReader
-from training_core.data.batch_columns import TRAINING_COLUMNS
+from training_core.data.batch_columns import TRAINING_COLUMNS, TRAINING_TRANSFORM, TRAINING_TRANSFORM_VERSION
 from training_core.errors import SourceDataError
 from training_core.train.config import TrainingConfig
 
+# The cache quota where the caller names none (a cache warmed outside Dagster: tests, benchmarks);
+# the lora_adapter asset passes the one the row_group_cache resource warmed with.
+DEFAULT_CACHE_SIZE_LIMIT_BYTES = 1 << 30
 
 
 class EpochBatches:
@@ -34,7 +37,7 @@ class EpochBatches:
 
     def _open(self, epoch: int) -> RowGroupReader:
         inputs, config = self._inputs, self._config
-        quota = inputs.cache_size_limit_bytes or config.cache_size_limit_bytes
+        quota = inputs.cache_size_limit_bytes or DEFAULT_CACHE_SIZE_LIMIT_BYTES
         cache = CacheConfig(Path(inputs.cache_dir), quota, policy=inputs.cache_policy) if inputs.cache_dir else None
         return RowGroupReader(
             list(inputs.train_dirs),
@@ -49,6 +52,9 @@ class EpochBatches:
             workers=config.loader_workers,
             cache=cache,
             drop_last=True,  # every rank takes the same number of steps (DDP / ZeRO need lockstep)
+            # as row_group_cache warmed the cache, so that training reads what warming stored
+            transform=TRAINING_TRANSFORM,
+            transform_version=TRAINING_TRANSFORM_VERSION,
         )
 
     def _start_epoch(self) -> Iterator[dict] | None:

@@ -67,8 +67,7 @@ class TrainingProgress:
 # Settings that change how or where a run executes, not what it trains: a relaunch may change them.
 # The world size is checked on its own: only ZeRO's partitioned engine state ties a run to it.
 SETTINGS_A_RELAUNCH_MAY_CHANGE = frozenset({
-    "num_workers", "cpus_per_worker", "loader_workers", "cache_size_limit_bytes", "peak_flops_preset",
-    "report_every_steps",
+    "num_workers", "cpus_per_worker", "loader_workers", "peak_flops_preset",
 })
 
 

@@ -20,6 +20,14 @@ from training_core.errors import ConfigError
 # non-negative integer, and the loader passes it in a list ([seed, epoch, ...]), never adds to it.
 MAX_SEED = 2**63 - 1
 
+# Settings this code no longer has, dropped when a config is read so that configs recorded with them
+# (MLflow's training_config.json, a checkpoint's progress.json) still parse; digests of recorded
+# configs are taken over the JSON as written, so they still verify.
+# cache_size_limit_bytes: the loader reads the cache under the quota it was warmed with (the caller's),
+# so the config's value was recorded but never used. report_every_steps: every step's loss is kept and
+# reported to Ray with each checkpoint (ray.train.report costs ~1 s a call).
+RETIRED_SETTINGS = frozenset({"cache_size_limit_bytes", "report_every_steps"})
+
 
 class LoraSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -70,10 +78,6 @@ class TrainingConfig(BaseModel):
     max_steps: int = Field(120, gt=0, description="optimizer steps; the loader cycles epochs as needed")
     max_epochs: int | None = Field(None, gt=0, description="stop earlier after this many epochs")
 
-    # Unused: every step's loss is kept and reported with each checkpoint (ray.train.report costs ~1 s).
-    # The field stays so that configs recorded with it still parse, and their digests still match.
-    report_every_steps: int = Field(10, gt=0, description="unused (kept for recorded configs): every step's loss is "
-                                    "logged, reported to Ray with each checkpoint")
     checkpoint_every_steps: int = Field(50, gt=0)
     seed: int = Field(0, ge=0, description="model/LoRA init and dropout (per rank: seed + rank); at most 2**63 - 1")
     data_seed: int = Field(0, ge=0, description="data order (NumPy's generator takes no negative seed)")
@@ -83,11 +87,17 @@ class TrainingConfig(BaseModel):
     use_gpu: bool = False
     loader_workers: int = Field(1, gt=0, description="decode threads per Ray worker")
     shuffle_buffer_row_groups: int = Field(4, gt=0)
-    cache_size_limit_bytes: int = Field(1 << 30, gt=0)
     peak_flops_preset: Literal["auto", "cpu", "a100", "h100", "h200"] = Field(
         "auto", description="peak FLOP/s for MFU: 'auto' reads each worker's GPU name (A100, H100, H200); "
         "'cpu' or an unlisted GPU logs achieved FLOP/s without MFU",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retired_settings(cls, values: object) -> object:
+        if isinstance(values, Mapping):
+            return {name: value for name, value in values.items() if name not in RETIRED_SETTINGS}
+        return values
 
     # One field each, so that every bad field is reported at once (a model validator runs only
     # when all fields are valid).

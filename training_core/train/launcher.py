@@ -128,7 +128,7 @@ def run_training(
 ) -> TrainingResult:
     """Train on Ray; reruns with the same `run_name` and storage resume from the last checkpoint.
     ``cache_size_limit_bytes`` / ``cache_policy``: those the cache in ``cache_dir`` was warmed with
-    (default: the config's cache_size_limit_bytes, evict). ``base_model_identity`` /
+    (default: ``batches.DEFAULT_CACHE_SIZE_LIMIT_BYTES``, evict). ``base_model_identity`` /
     ``training_data_identity``: what a relaunch of `run_name` must train on too, else it is refused
     (default: ``model_path`` and ``train_dirs``; content digests let a moved folder resume)."""
     import ray.train

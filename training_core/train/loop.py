@@ -70,7 +70,7 @@ class WorkerInputs:
     fault_marker: str | None = None  # file that records the fault already happened
     run_directory: str | None = None  # this run's Ray Train storage folder, when local
     launched_at: float | None = None  # driver's time.time() at launch, for the start-up split
-    # The quota and policy the cache was warmed under (None: the config's cache_size_limit_bytes):
+    # The quota and policy the cache was warmed under (None: batches.DEFAULT_CACHE_SIZE_LIMIT_BYTES):
     # reading with another would evict what warming kept.
     cache_size_limit_bytes: int | None = None
     cache_policy: str = "evict"
