@@ -188,7 +188,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
                 progress.finished = True
                 break
             with timer.phase("forward"):
-                loss = engine(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+                loss = engine(**batch).loss  # the model's inputs, as EpochBatches builds them
             with timer.phase("backward"):
                 engine.backward(loss)
             with timer.phase("optimizer"):
