@@ -171,3 +171,13 @@ def test_retired_settings_of_recorded_configs_are_read_and_refuse_no_relaunch(re
     assert settings_changed_since(started, config, "/m", ["/d"]) == []
     assert settings_changed_since(started, TrainingConfig(learning_rate=0.02), "/m", ["/d"]) == [
         "learning_rate: 0.01 → 0.02"]
+
+
+def test_lora_settings_leave_a_full_parameter_config_and_its_digest_alone():
+    """method 'full' trains no adapter: LoRA settings left over from a LoRA launch must not change the
+    config digest (which names the Ray run, so a changed one restarts from step 0 and reuses nothing)."""
+    full = TrainingConfig(method="full")
+    leftover = parse_training_config({"method": "full", "lora": {"r": 4, "modules_to_save": ["embed_tokens"]}})
+    assert leftover == full and leftover.digest() == full.digest()
+    # under LoRA they are the run's settings
+    assert parse_training_config({"lora": {"r": 4}}).digest() != TrainingConfig().digest()

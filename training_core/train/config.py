@@ -62,7 +62,8 @@ class TrainingConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     method: Literal["full", "lora", "qlora"] = "lora"
-    lora: LoraSettings = Field(default_factory=LoraSettings)
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="ignored (left at its defaults) "
+                               "under method 'full'")
     zero_stage: int = Field(2, description="DeepSpeed ZeRO stage 0-3")
     offload_optimizer: Literal["none", "cpu"] = "none"
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -95,8 +96,11 @@ class TrainingConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _drop_retired_settings(cls, values: object) -> object:
+        """Retired settings are dropped; so are LoRA settings under method 'full', which trains no
+        adapter: the config (and its digest, so reuse and resume) must not change with them."""
         if isinstance(values, Mapping):
-            return {name: value for name, value in values.items() if name not in RETIRED_SETTINGS}
+            return {name: value for name, value in values.items()
+                    if name not in RETIRED_SETTINGS and not (name == "lora" and values.get("method") == "full")}
         return values
 
     # One field each, so that every bad field is reported at once (a model validator runs only
