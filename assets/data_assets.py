@@ -82,7 +82,10 @@ class TrainingDatasetConfig(dg.Config):
     row_group_rows: int = Field(128, gt=0, description="rows per Parquet row group (the loader's unit)")
     rows_per_file: int = Field(1024, gt=0, description="rows per Parquet file")
     eval_fraction: float = Field(0.05, gt=0.0, lt=1.0, description="share of prompts held out for evaluation")
-    max_eval_examples: int = Field(200, gt=0)
+    max_eval_examples: int = Field(
+        200, gt=0, description="held-out examples written for evaluation; the split's others are neither "
+        "trained on nor scored (metadata held_out_examples counts them all)",
+    )
     max_repeated_records: float = Field(
         MAX_REPEATED_RECORDS, ge=0.0, le=1.0, allow_inf_nan=False,
         description="no_duplicate_rows fails when more than this share of the day's records repeat an earlier "
@@ -124,6 +127,9 @@ def training_dataset(
     # Stored with the value: a consumer launched later on its own (row_group_cache, a training
     # window that includes this day) is not stopped by blocking checks, so it reads them here.
     dataset = replace(dataset, failed_checks=tuple(o.name for o in outcomes if not o.passed))
+    if unused := dataset.held_out_examples - dataset.eval_examples:
+        context.log.warning(f"{unused} of the {dataset.held_out_examples} held-out examples are neither trained on "
+                            f"nor scored (max_eval_examples={config.max_eval_examples})")
     yield dg.Output(
         dataset,
         metadata={
@@ -132,6 +138,7 @@ def training_dataset(
             "train_rows": dataset.train_rows,
             "train_examples": dataset.train_examples,
             "eval_examples": dataset.eval_examples,
+            "held_out_examples": dataset.held_out_examples,
             "row_groups": dataset.row_groups,
             "tokens": dataset.tokens,
         },

@@ -95,6 +95,9 @@ def test_streamed_writing_gives_the_rows_and_files_of_packing_everything_at_once
     assert published.train_rows == len(expected["input_ids"]) and published.train_examples == len(train)
     eval_split = [r for r in records if is_eval_prompt(tokenizer, r["prompt"], spec.eval_fraction)]
     assert read_eval_records(published.path) == eval_split[: spec.max_eval_examples]
+    # the held-out examples past max_eval_examples are in neither split, and counted
+    assert len(eval_split) > spec.max_eval_examples
+    assert (published.eval_examples, published.held_out_examples) == (spec.max_eval_examples, len(eval_split))
 
 
 def test_deepspeed_config_has_concrete_values():

@@ -58,7 +58,7 @@ class PublishedDataset:
     digest: str
     train_rows: int
     train_examples: int
-    eval_examples: int
+    eval_examples: int  # written to eval.parquet: the held-out examples up to max_eval_examples
     row_groups: int
     files: int
     seq_len: int
@@ -71,6 +71,8 @@ class PublishedDataset:
     # one day is trained on from another. None: handed over before it was recorded here (the
     # manifest has it: see split_eval_fraction).
     eval_fraction: float | None = None
+    # Examples the split held out, scored or not: those beyond max_eval_examples are in neither split.
+    held_out_examples: int | None = None
 
     @property
     def train_dir(self) -> Path:
@@ -170,6 +172,7 @@ def write_dataset(
             "train_rows": files.rows,
             "train_examples": train_examples,
             "eval_examples": len(eval_records),
+            "held_out_examples": eval_count,
             **(extra_manifest or {}),
         }
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
@@ -188,6 +191,7 @@ def write_dataset(
         seq_len=spec.seq_len,
         tokens=tokens,
         eval_fraction=spec.eval_fraction,
+        held_out_examples=eval_count,
     )
 
 
