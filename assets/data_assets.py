@@ -1,7 +1,6 @@
 """raw_examples → training_dataset: source records for a day, then tokenized, packed Parquet."""
 
 
-import json
 from dataclasses import dataclass, replace
 
 import dagster as dg
@@ -13,10 +12,10 @@ from resources import TesseraStorage
 from training_core.base_model import BaseModelRef, load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, PublishedDataset, write_dataset
 from training_core.data.demo_task import MAX_RECORDS_PER_PARTITION, generate_records
+from training_core.data.frozen_records import freeze_records
 from training_core.data.quality import DATASET_CHECK_NAMES, MAX_REPEATED_RECORDS, run_dataset_checks
-from training_core.data.sources import ORIGINS_FILE, RecordOrigins, read_records, read_records_with_origins
+from training_core.data.sources import read_records, read_records_with_origins
 from training_core.errors import EmptyPartitionError
-from training_core.storage import directory_digest, publish_directory, staging_directory
 
 
 @dataclass(frozen=True)
@@ -57,23 +56,14 @@ def raw_examples(context: dg.AssetExecutionContext, config: RawExamplesConfig, s
         records, origins = read_records_with_origins(source)
     if not records:
         raise EmptyPartitionError(f"partition {day}: source {source} has no records")
-    with staging_directory(storage.folder("datasets") / "raw" / day) as staging:
-        with (staging / "records.jsonl").open("w", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        digest = directory_digest(staging, record_files=True)
-        if origins is not None:  # hidden, like the file digests: later errors name the user's file
-            origins.save(staging / ORIGINS_FILE)
-        final = publish_directory(staging, storage.folder("datasets") / "raw" / day / digest[:16])
-    if origins is not None and RecordOrigins.load(final / ORIGINS_FILE) != origins:
-        # The same records published earlier from another file: later errors must name today's source.
-        origins.save(final / ORIGINS_FILE)
+    frozen = freeze_records(records, origins, storage.folder("datasets") / "raw" / day)
     context.log.info("partition %s: %d records from %s", day, len(records), source)
     return dg.Output(
-        RawPartition(path=str(final / "records.jsonl"), records=len(records), digest=digest),
+        RawPartition(path=str(frozen.path), records=len(records), digest=frozen.digest),
         # not `path`: the IO manager records the path of its pickle under that key
-        metadata={"records": len(records), "digest": digest, "dataset_path": dg.MetadataValue.path(str(final))},
-        data_version=dg.DataVersion(digest),
+        metadata={"records": len(records), "digest": frozen.digest,
+                  "dataset_path": dg.MetadataValue.path(str(frozen.folder))},
+        data_version=dg.DataVersion(frozen.digest),
     )
 
 

@@ -120,7 +120,8 @@ def test_a_record_whose_text_holds_a_special_token_is_refused_naming_it(tmp_path
     import json
     import re
 
-    from training_core.data.sources import ORIGINS_FILE, read_records_with_origins
+    from training_core.data.frozen_records import freeze_records
+    from training_core.data.sources import read_records_with_origins
     from training_core.errors import SourceDataError
 
     tokenizer = local_tokenizer(tmp_path / "tokenizer", bos_token="<s>", eos_token="</s>")  # Llama-style
@@ -129,17 +130,14 @@ def test_a_record_whose_text_holds_a_special_token_is_refused_naming_it(tmp_path
     source = tmp_path / "source.jsonl"
     source.write_text("".join(json.dumps(r) + "\n\n" for r in [*ordinary, record]))
     records, origins = read_records_with_origins(source)
-    frozen = tmp_path / "raw"  # as raw_examples publishes it: records.jsonl plus the hidden origins
-    frozen.mkdir()
-    (frozen / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    origins.save(frozen / ORIGINS_FILE)
+    frozen = freeze_records(records, origins, tmp_path / "raw")  # as raw_examples freezes them
     out = tmp_path / "out"
     out.mkdir()
     token = "</s>" if field == "response" else "<s>"
     with pytest.raises(SourceDataError, match=rf"p: line 201 of .*records\.jsonl, from line 401 of .*source\.jsonl "
                                               rf"\(prompt {re.escape(repr(record['prompt']))}\): its {field} holds the "
                                               rf"special token '{token}' \(id \d+\); strip it from the text: Tessera puts bos"):
-        write_dataset(records, tokenizer, out, DatasetSpec(), source_label="p", records_path=str(frozen / "records.jsonl"))
+        write_dataset(records, tokenizer, out, DatasetSpec(), source_label="p", records_path=str(frozen.path))
     assert list(out.iterdir()) == []
 
 
@@ -212,7 +210,8 @@ def test_an_overlong_record_in_the_eval_split_is_refused_like_one_in_the_train_s
 
     import pytest
 
-    from training_core.data.sources import ORIGINS_FILE, read_records_with_origins
+    from training_core.data.frozen_records import freeze_records
+    from training_core.data.sources import read_records_with_origins
     from training_core.errors import SourceDataError
 
     tokenizer = load_tokenizer(demo_model.name_or_path)
@@ -221,15 +220,12 @@ def test_an_overlong_record_in_the_eval_split_is_refused_like_one_in_the_train_s
     source = tmp_path / "source.jsonl"
     source.write_text("".join(json.dumps(r) + "\n\n" for r in [*short, {"prompt": long_prompt, "response": "x"}]))
     records, origins = read_records_with_origins(source)
-    frozen = tmp_path / "raw"  # as raw_examples publishes it: records.jsonl plus the hidden origins
-    frozen.mkdir()
-    (frozen / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    origins.save(frozen / ORIGINS_FILE)
+    frozen = freeze_records(records, origins, tmp_path / "raw")  # as raw_examples freezes them
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(SourceDataError, match=rf"p: line 61 of .*records\.jsonl, from line 121 of .*source\.jsonl "
                                               rf"\(prompt {re.escape(repr(long_prompt[:40]))}\): \d+ tokens do not fit seq_len=64"):
-        write_dataset(records, tokenizer, out, DatasetSpec(), source_label="p", records_path=str(frozen / "records.jsonl"))
+        write_dataset(records, tokenizer, out, DatasetSpec(), source_label="p", records_path=str(frozen.path))
     assert list(out.iterdir()) == []  # nothing half-written, not even a staging folder
 
     # The first overlong record in file order is named, whichever split it falls into.

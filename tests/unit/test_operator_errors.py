@@ -12,7 +12,6 @@ CLI, Dagster's instance loading and the demo tokenizer."""
 from __future__ import annotations
 
 import csv
-import json
 import os
 import re
 import subprocess
@@ -240,7 +239,8 @@ def test_free_slots_with_a_damaged_dagster_yaml_names_the_file_in_one_line(tmp_p
 def test_a_csv_field_longer_than_the_csv_modules_default_limit_is_read_and_named_where_too_long(tmp_path, demo_model):
     from training_core.base_model import load_tokenizer
     from training_core.data.dataset_writer import DatasetSpec, write_dataset
-    from training_core.data.sources import ORIGINS_FILE, read_records_with_origins
+    from training_core.data.frozen_records import freeze_records
+    from training_core.data.sources import read_records_with_origins
 
     long_prompt = "x " * 70_000  # 140 000 characters: over csv's 131 072, valid CSV all the same
     source = tmp_path / "long.csv"
@@ -252,16 +252,13 @@ def test_a_csv_field_longer_than_the_csv_modules_default_limit_is_read_and_named
     assert origins.describe(1) == f"line 3 of {source}"
 
     # Too long to train on: refused as any over-long record is, naming both files and lines.
-    frozen = tmp_path / "raw"  # as raw_examples publishes it: records.jsonl plus the hidden origins
-    frozen.mkdir()
-    (frozen / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    origins.save(frozen / ORIGINS_FILE)
+    frozen = freeze_records(records, origins, tmp_path / "raw")  # as raw_examples freezes them
     out = tmp_path / "out"
     out.mkdir()
     where = rf"p: line 2 of .*records\.jsonl, from line 3 of {re.escape(str(source))} "
     with pytest.raises(SourceDataError, match=where + r"\(prompt 'x x x .*\): \d+ tokens do not fit seq_len=64"):
         write_dataset(records, load_tokenizer(demo_model.name_or_path), out, DatasetSpec(), source_label="p",
-                      records_path=str(frozen / "records.jsonl"))
+                      records_path=str(frozen.path))
 
 
 def test_an_untracked_file_larger_than_any_source_file_counts_by_size_and_mtime_not_by_reading_it(tmp_path):
