@@ -89,15 +89,19 @@ def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None
     # Read under the quota and policy the cache resource warmed it with, as lora_adapter does.
     inputs = dataclasses.replace(recorded.inputs, cache_size_limit_bytes=cache.size_limit_bytes,
                                  cache_policy=cache.policy)
-    tracked = run_tracked_training(
-        recorded.config, inputs, tracking, ray_storage=storage.ray_storage,
-        models_dir=storage.folder("models") / "trained", extra_tags={"reproduces": run_id},
-        run_name_suffix=f"reproduce-{uuid.uuid4().hex[:8]}", reuse_finished=False,
-        base_digest_records=storage.base_model_digests,
-        base_model_checked=True,  # load_recorded_run compared it with the recorded digest
-    )
-    # A reproduction is never resumed or reused: its checkpoints would only fill the disk.
-    shutil.rmtree(Path(storage.ray_storage) / tracked.result.run_name, ignore_errors=True)
+    suffix = f"reproduce-{uuid.uuid4().hex[:8]}"  # a fresh run: never resumed, never reused
+    try:
+        tracked = run_tracked_training(
+            recorded.config, inputs, tracking, ray_storage=storage.ray_storage,
+            models_dir=storage.folder("models") / "trained", extra_tags={"reproduces": run_id},
+            run_name_suffix=suffix, reuse_finished=False, base_digest_records=storage.base_model_digests,
+            base_model_checked=True,  # load_recorded_run compared it with the recorded digest
+        )
+    finally:
+        # Nothing resumes a reproduction, so its checkpoints (engine state included) would only fill
+        # the disk: removed whether it finished, failed or was interrupted (Ctrl-C).
+        for run_folder in Path(storage.ray_storage).glob(f"*-{suffix}"):
+            shutil.rmtree(run_folder, ignore_errors=True)
     records = eval_records(recorded.inputs.dataset_paths)
     base, trained = evaluate_against_base(recorded.inputs.base_model, tracked.result.model_dir, records, eval_settings)
     report = EvaluationReport(base, trained, tracked.result.model_dir, tracked.mlflow_run_id)

@@ -98,3 +98,27 @@ def test_a_gpu_run_on_a_ray_without_gpus_is_refused_saying_how_to_train_on_the_g
     meta = RAY_MANIFEST["metadata"]
     head_service = f"ray://{meta['name']}-head-svc.{meta['namespace']}.svc.cluster.local:10001"
     assert f"in a pod of the Kubernetes deployment, TESSERA_RAY_ADDRESS={head_service}" in output.getvalue()
+
+
+@pytest.mark.parametrize("interruption", [RuntimeError("worker failed at step 60"), KeyboardInterrupt()],
+                         ids=["failed", "ctrl-c"])
+def test_a_reproduction_that_stops_early_leaves_no_checkpoints_behind(home, monkeypatch, interruption):
+    """Nothing resumes a reproduction (its run name ends in a fresh id), so checkpoints left by a
+    failed or interrupted one, engine state included, would fill the disk for ever."""
+    run_id, _ = _recorded_run(home)
+
+    def train_then_stop(config, inputs, tracking, *, ray_storage, run_name_suffix, **kwargs):
+        checkpoint = Path(ray_storage) / f"train-2026-11-01-abc-{run_name_suffix}" / "checkpoint_000001"
+        (checkpoint / "deepspeed").mkdir(parents=True)
+        (checkpoint / "deepspeed" / "optim_states.pt").write_bytes(b"x" * 64)
+        raise interruption
+
+    other_run = home / "ray" / "train-2026-11-01-abc-def"  # a training run's folder: resumable, kept
+    other_run.mkdir(parents=True)
+    monkeypatch.setattr(reproduce, "_connect_to_ray", lambda ray_cluster: None)
+    monkeypatch.setattr(reproduce, "gpu_available_in_cluster", lambda: False)
+    monkeypatch.setattr(reproduce, "alive_node_resources", lambda: [{"CPU": 64.0}])
+    monkeypatch.setattr(reproduce, "run_tracked_training", train_then_stop)
+    with pytest.raises(type(interruption)):
+        reproduce.reproduce_run(run_id, Console(file=StringIO()))
+    assert sorted(p.name for p in (home / "ray").iterdir()) == [other_run.name]
