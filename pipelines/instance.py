@@ -1,9 +1,11 @@
 """The local Dagster instance under $TESSERA_HOME/dagster: telemetry off, training pool of 1."""
 
+import contextlib
 import logging
 import os
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 from assets.run_identity import LAUNCHER_TAG, inherited_launcher_tag  # LAUNCHER_TAG re-exported: `tessera demo` sets it
@@ -45,11 +47,42 @@ def prepare_home(home: str | None = None) -> Path:
         raise ConfigError(f"state folder {root} is not usable: {error.strerror or error}") from error
     check_not_moved(root)
     settings = dagster_home / "dagster.yaml"
-    if not settings.exists():
-        settings.write_text(INSTANCE_SETTINGS)
+    if _needs_settings(settings):
+        _write_settings(settings)
     os.environ["TESSERA_HOME"] = str(root)
     os.environ["DAGSTER_HOME"] = str(dagster_home)
     return root
+
+
+def _needs_settings(settings: Path) -> bool:
+    """Missing, or empty: what a write killed (or a machine losing power) before the atomic write
+    existed left, which Dagster loads silently with no pool limit. Any other file is the operator's
+    and kept as it is (a damaged one is named by `load_instance`)."""
+    try:
+        current = settings.read_bytes()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # unreadable: `load_instance` names it
+    if current.strip():
+        return False
+    log.warning("%s is empty (an interrupted write): writing tessera's settings again", settings)
+    return True
+
+
+def _write_settings(settings: Path) -> None:
+    """Through a temporary file and a rename, so a kill or a full disk never leaves a short file."""
+    from training_core.storage import flush_file
+
+    pending = settings.with_name(f"{settings.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        pending.write_text(INSTANCE_SETTINGS)
+        flush_file(pending)
+        os.replace(pending, settings)
+    except OSError as error:  # no permission, a full or read-only disk
+        with contextlib.suppress(OSError):
+            pending.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write {settings}: {error.strerror or error}") from error
 
 
 def fail_abandoned_runs(instance) -> list[str]:

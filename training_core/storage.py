@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -34,13 +35,19 @@ def staging_directory(parent: Path) -> Iterator[Path]:
     """
     parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_staging(parent)
-    staging = parent / f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
+    staging = parent / _writer_owned_name()
     staging.mkdir()
     try:
         yield staging
     finally:
         # After a successful publish the staging path no longer exists.
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _writer_owned_name(purpose: str = "") -> str:
+    """`.staging-<host>-<pid>-<purpose><id>`: the sweep reads it from the right (a host name may hold
+    dashes; the pid and the last part never do), so every such folder of a dead writer is removed."""
+    return f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-{purpose}{uuid.uuid4().hex}"
 
 
 def _remove_abandoned_staging(parent: Path) -> None:
@@ -74,21 +81,47 @@ def publish_directory(staging: Path, final: Path) -> Path:
     restore), or one that cannot be verified (its digest record is gone), is replaced by the fresh
     copy instead of being trusted, with a warning naming what differed."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    if final.exists():
-        changed = changed_files(final)
-        if changed == []:
-            shutil.rmtree(staging, ignore_errors=True)
-            return final
-        log.warning("%s is not as published (%s): replacing it with the fresh copy", final,
-                    ", ".join(changed) if changed else f"no {FILE_DIGESTS} to verify it against")
-        _move_aside_and_remove(final)
+    if not final.exists():
+        return _rename_into_place(staging, final)
+    with _replacement_lock(final.parent):
+        if final.exists():  # judged again: a writer before us may have just replaced it
+            changed = changed_files(final)
+            if changed == []:
+                shutil.rmtree(staging, ignore_errors=True)
+                return final
+            log.warning("%s is not as published (%s): replacing it with the fresh copy", final,
+                        ", ".join(changed) if changed else f"no {FILE_DIGESTS} to verify it against")
+            _move_aside_and_remove(final)
+        return _rename_into_place(staging, final)
+
+
+PUBLISH_LOCK = ".publish.lock"
+_LOCKS_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP}
+
+
+@contextlib.contextmanager
+def _replacement_lock(parent: Path) -> Iterator[None]:
+    """Held from judging an existing copy until the fresh one is in place. Without it, two writers
+    over one damaged copy race: one reads files the other has just moved aside (FileNotFoundError),
+    or moves aside the fresh copy the other has just published and handed to its reader."""
+    with open(parent / PUBLISH_LOCK, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed, or its process dies
+        except OSError as error:
+            if error.errno not in _LOCKS_UNSUPPORTED:
+                raise
+            log.debug("file locks refused in %s (%s): replacing without one", parent, error)
+        yield
+
+
+def _rename_into_place(staging: Path, final: Path) -> Path:
     flush_to_disk(staging)
     try:
         os.replace(staging, final)
     except OSError:
         if not final.exists():
             raise
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # another writer published the same content first
     sync_directory(final.parent)
     return final
 
@@ -159,7 +192,7 @@ def sync_directory(directory: Path) -> None:
 
 def _move_aside_and_remove(folder: Path) -> None:
     """Out of the way in one rename (to a staging name, swept if we die), then deleted."""
-    aside = folder.with_name(f"{STAGING_PREFIX}{socket.gethostname()}-{os.getpid()}-replaced-{uuid.uuid4().hex}")
+    aside = folder.with_name(_writer_owned_name("replaced."))
     with contextlib.suppress(FileNotFoundError):  # another writer may have moved it first
         os.replace(folder, aside)
     shutil.rmtree(aside, ignore_errors=True)

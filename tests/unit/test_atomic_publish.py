@@ -53,8 +53,39 @@ def test_staging_folders_of_dead_writers_are_swept_and_live_ones_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, stalled.name])
 
 
+# Killed after moving the old copy aside, while deleting it (seconds for a large model).
+KILLED_WHILE_REMOVING_THE_OLD_COPY = """
+import os, shutil, sys
+from pathlib import Path
+from training_core.storage import replace_directory, staging_directory
+parent = Path(sys.argv[1])
+with staging_directory(parent) as staging:
+    (staging / "model.safetensors").write_bytes(b"new")
+    shutil.rmtree = lambda *args, **kwargs: os._exit(9)
+    replace_directory(staging, parent / "model")
+"""
+
+
+def test_an_old_copy_moved_aside_by_a_killed_writer_is_swept_with_its_staging_folder(tmp_path):
+    import subprocess
+    import sys
+
+    from training_core.storage import staging_directory
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"old")
+    killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_REMOVING_THE_OLD_COPY, str(tmp_path)],
+                            cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert killed.returncode == 9
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == 2 and all(name.startswith(".staging-") for name in left)  # the new copy and the old
+    with staging_directory(tmp_path):
+        pass
+    assert [p.name for p in tmp_path.iterdir()] == []  # not kept for 6 h: its writer is dead
+
+
 def test_publishing_over_a_damaged_copy_replaces_it(tmp_path):
-    from training_core.storage import directory_digest, publish_directory, staging_directory
+    from training_core.storage import PUBLISH_LOCK, directory_digest, publish_directory, staging_directory
 
     def publish() -> Path:
         with staging_directory(tmp_path) as staging:
@@ -69,7 +100,65 @@ def test_publishing_over_a_damaged_copy_replaces_it(tmp_path):
     assert (final / "part-1.parquet").read_bytes() == b"more rows"
     intact_inode = (final / "part-0.parquet").stat().st_ino
     assert publish() == final and (final / "part-0.parquet").stat().st_ino == intact_inode  # intact: kept
-    assert [p.name for p in tmp_path.iterdir()] == [final.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([final.name, PUBLISH_LOCK])  # the lock: kept, empty
+
+
+# Two writers over one damaged copy, interleaved at the worst moment: the second moves the copy
+# aside while the first is still reading it to judge it.
+def test_a_writer_judging_a_damaged_copy_is_not_cut_off_by_another_replacing_it(tmp_path, monkeypatch):
+    import contextlib
+    import shutil
+    import threading
+
+    import xxhash
+
+    from training_core.storage import changed_files, directory_digest, publish_directory, staging_directory
+
+    files = {"part-0.parquet": b"rows", "part-1.parquet": b"more rows"}
+    with contextlib.ExitStack() as stack:
+        stagings = [stack.enter_context(staging_directory(tmp_path)) for _ in range(3)]
+        for staging in stagings:
+            for name, data in files.items():
+                (staging / name).write_bytes(data)
+            digest = directory_digest(staging, record_files=True)
+        final = tmp_path / digest[:16]
+        earlier, judging, replacing = stagings
+        publish_directory(earlier, final)
+        (final / "part-1.parquet").write_bytes(b"")  # damaged since
+
+        moved_aside, first_done = threading.Event(), threading.Event()
+        other_errors = []
+
+        def other_writer():
+            try:
+                publish_directory(replacing, final)
+            except Exception as error:  # noqa: BLE001 - reported by the assertion below
+                other_errors.append(error)
+
+        other = threading.Thread(target=other_writer)
+        real_hasher, real_rmtree = xxhash.xxh3_128, shutil.rmtree
+
+        def hasher_letting_the_other_writer_in(*args):
+            if threading.current_thread() is not other and other.ident is None:  # not started yet
+                other.start()
+                moved_aside.wait(timeout=1)  # never set while we hold the publish lock: the other waits for it
+            return real_hasher(*args)
+
+        def rmtree_after_moving_aside(path, *args, **kwargs):
+            if threading.current_thread() is other and "-replaced." in Path(path).name:  # the damaged copy
+                moved_aside.set()
+                first_done.wait(timeout=10)  # hold the gap open until the first writer is done
+            return real_rmtree(path, *args, **kwargs)
+
+        monkeypatch.setattr(xxhash, "xxh3_128", hasher_letting_the_other_writer_in)
+        monkeypatch.setattr(shutil, "rmtree", rmtree_after_moving_aside)
+        try:
+            assert publish_directory(judging, final) == final
+        finally:
+            first_done.set()
+            other.join(timeout=30)
+    assert other_errors == []
+    assert {name: (final / name).read_bytes() for name in files} == files and changed_files(final) == []
 
 
 @pytest.mark.parametrize("publish_name", ["publish_directory", "replace_directory"])

@@ -1,0 +1,87 @@
+"""The local Dagster instance's settings (pipelines.instance.prepare_home): written whole or not at all,
+an empty file left by an interrupted write replaced, an operator's own file kept."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Dies the way SIGKILL or a full disk leaves Path.write_text: the file opened (created, truncated),
+# its bytes never written.
+KILLED_WHILE_WRITING_SETTINGS = """
+import os, pathlib, sys
+real_write_text = pathlib.Path.write_text
+def killed_after_open(self, *args, **kwargs):
+    if self.name.startswith("dagster.yaml"):
+        open(self, "w").close()
+        os._exit(9)
+    return real_write_text(self, *args, **kwargs)
+pathlib.Path.write_text = killed_after_open
+from pipelines.instance import prepare_home
+prepare_home(sys.argv[1])
+"""
+
+
+@pytest.fixture
+def state_env(monkeypatch):
+    """prepare_home exports TESSERA_HOME and DAGSTER_HOME: put back what this process had."""
+    monkeypatch.setenv("TESSERA_HOME", "unset-by-test")
+    monkeypatch.setenv("DAGSTER_HOME", "unset-by-test")
+
+
+def _loaded_settings() -> tuple[int | None, bool]:
+    from pipelines.instance import load_instance
+
+    instance = load_instance()
+    try:
+        return instance.get_concurrency_config().pool_config.default_pool_limit, instance.telemetry_enabled
+    finally:
+        instance.dispose()
+
+
+def test_a_write_killed_midway_leaves_no_short_dagster_yaml_and_the_next_run_writes_it(tmp_path, state_env):
+    from pipelines.instance import INSTANCE_SETTINGS, prepare_home
+
+    killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_WRITING_SETTINGS, str(tmp_path)], cwd=REPO,
+                            timeout=120)
+    assert killed.returncode == 9
+    settings = tmp_path / "dagster" / "dagster.yaml"
+    assert not settings.exists()  # Dagster would load a short one silently: no pool limit, telemetry on
+    prepare_home(str(tmp_path))
+    assert settings.read_text() == INSTANCE_SETTINGS
+    assert _loaded_settings() == (1, False)
+
+
+@pytest.mark.parametrize("left_behind", ["", "\n"])
+def test_an_empty_dagster_yaml_is_written_again_with_the_training_pool_limit(tmp_path, state_env, caplog,
+                                                                               left_behind):
+    from pipelines.instance import INSTANCE_SETTINGS, prepare_home
+
+    settings = tmp_path / "dagster" / "dagster.yaml"
+    settings.parent.mkdir(parents=True)
+    settings.write_text(left_behind)  # an earlier version killed mid-write, or a power loss
+    prepare_home(str(tmp_path))
+    assert settings.read_text() == INSTANCE_SETTINGS
+    assert f"{settings} is empty" in caplog.text
+    assert _loaded_settings() == (1, False)
+
+
+@pytest.mark.parametrize("own", [
+    "telemetry:\n  enabled: true\n",  # valid: the operator's choice, no pool limit
+    "# settings come later\n",
+    "concurrency: [oops\n",  # damaged: named by load_instance, not overwritten
+])
+def test_an_operators_own_dagster_yaml_is_kept_as_it_is(tmp_path, state_env, own):
+    from pipelines.instance import prepare_home
+
+    settings = tmp_path / "dagster" / "dagster.yaml"
+    settings.parent.mkdir(parents=True)
+    settings.write_text(own)
+    prepare_home(str(tmp_path))
+    assert settings.read_text() == own
+    assert [p.name for p in settings.parent.iterdir()] == ["dagster.yaml"]
