@@ -58,6 +58,43 @@ def tokenize_examples(tokenizer, prompts: list[str], responses: list[str]) -> li
             for prompt_ids, response_ids in zip(prompt_batch, response_batch)]
 
 
+def content_lengths(labels: np.ndarray) -> np.ndarray:
+    """How many tokens of each row ([n, width] labels) packed examples fill: up to and with the last
+    trained label. Every packed example ends with a trained eos and padding follows the last one,
+    so this holds whatever the pad token is; counting tokens that are not pad would count each eos
+    (and GPT-2's bos, the eos token) as padding wherever pad == eos, which is every tokenizer without
+    a pad token of its own (load_tokenizer pads with eos). A row that trains nothing, which packing
+    never writes (no_empty_rows fails it), fills nothing."""
+    trained = labels != IGNORE_INDEX
+    return np.where(trained.any(axis=1), trained.shape[1] - np.argmax(trained[:, ::-1], axis=1), 0)
+
+
+def example_starts(input_ids: np.ndarray, labels: np.ndarray, eos_token_id: int | np.ndarray) -> np.ndarray:
+    """Where packed examples start in each row ([n, width] booleans), read from packing's layout:
+    examples lie back to back from the row start, each ends with an eos that is trained (its label
+    is not IGNORE_INDEX), and padding after the last one is not. Labels, not the tokens alone, tell
+    an example's eos from padding (pad == eos, as in GPT-2 or Qwen) and from a BOS that is the eos
+    token (GPT-2), whose label is IGNORE_INDEX like the rest of the prompt. An eos trained inside a
+    response (its text spelled the eos token, in a dataset written before the writer refused such text)
+    marks one start too many: the leakage check looks at one window more, training splits that example.
+    ``eos_token_id``: the tokenizer's, or each row's as an [n, 1] array (:func:`row_eos_tokens`)."""
+    trained = labels != IGNORE_INDEX
+    ends = trained & (input_ids == eos_token_id)
+    starts = np.zeros(input_ids.shape, dtype=bool)
+    starts[:, 0] = True  # even a row that trains nothing: its tokens may still be a held-out example
+    starts[:, 1:] = ends[:, :-1] & (np.arange(1, input_ids.shape[1]) < content_lengths(labels)[:, None])
+    return starts
+
+
+def row_eos_tokens(input_ids: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Each row's eos ([n, 1], for :func:`example_starts`) read from packing's layout, where no
+    tokenizer is at hand (training): every packed example ends with a trained eos, so a row's last
+    trained label is one. A row that trains nothing has no eos to read and no trained token to match
+    it; its first token stands in."""
+    last_trained = np.maximum(content_lengths(labels) - 1, 0)
+    return np.take_along_axis(input_ids, last_trained[:, None], axis=1)
+
+
 def check_fits(example: TokenizedExample, seq_len: int, describe: Callable[[], str]) -> None:
     """Refuse an example longer than `seq_len`, named by ``describe()``. Held-out examples are
     checked too: the model has no positions beyond the rows it trained on, so evaluation would fail."""

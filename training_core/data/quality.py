@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training_core.data.dataset_writer import read_eval_records
-from training_core.data.packing import IGNORE_INDEX, tokenize_examples
+from training_core.data.packing import IGNORE_INDEX, content_lengths, example_starts, tokenize_examples
 from training_core.data.sources import RecordLocations
 
 
@@ -247,33 +247,6 @@ def _find_in_chunk(rows: np.ndarray, by_length: dict, start_token: int | None,
             if window in wanted[value]:
                 found.append((row, window))
     return found
-
-
-def content_lengths(labels: np.ndarray) -> np.ndarray:
-    """How many tokens of each row ([n, width] labels) packed examples fill: up to and with the last
-    trained label. Every packed example ends with a trained eos and padding follows the last one,
-    so this holds whatever the pad token is; counting tokens that are not pad would count each eos
-    (and GPT-2's bos, the eos token) as padding wherever pad == eos, which is every tokenizer without
-    a pad token of its own (load_tokenizer pads with eos). A row that trains nothing, which packing
-    never writes (no_empty_rows fails it), fills nothing."""
-    trained = labels != IGNORE_INDEX
-    return np.where(trained.any(axis=1), trained.shape[1] - np.argmax(trained[:, ::-1], axis=1), 0)
-
-
-def example_starts(input_ids: np.ndarray, labels: np.ndarray, eos_token_id: int) -> np.ndarray:
-    """Where packed examples start in each row ([n, width] booleans), read from packing's layout:
-    examples lie back to back from the row start, each ends with an eos that is trained (its label
-    is not IGNORE_INDEX), and padding after the last one is not. Labels, not the tokens alone, tell
-    an example's eos from padding (pad == eos, as in GPT-2 or Qwen) and from a BOS that is the eos
-    token (GPT-2), whose label is IGNORE_INDEX like the rest of the prompt. An eos trained inside a
-    response (its text spelled the eos token, in a dataset written before the writer refused such text)
-    marks one start too many, which can only count more."""
-    trained = labels != IGNORE_INDEX
-    ends = trained & (input_ids == eos_token_id)
-    starts = np.zeros(input_ids.shape, dtype=bool)
-    starts[:, 0] = True  # even a row that trains nothing: its tokens may still be a held-out example
-    starts[:, 1:] = ends[:, :-1] & (np.arange(1, input_ids.shape[1]) < content_lengths(labels)[:, None])
-    return starts
 
 
 def _row_widths(column: pa.ChunkedArray) -> np.ndarray:

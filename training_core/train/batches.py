@@ -11,6 +11,8 @@ from training_core.data import CacheConfig, RowGroupReader
 from training_core.data.batch_columns import TRAINING_COLUMNS, TRAINING_TRANSFORM, TRAINING_TRANSFORM_VERSION
 from training_core.errors import SourceDataError
 from training_core.train.config import TrainingConfig
+from training_core.train.model_setup import model_dtype
+from training_core.train.packed_attention import packed_model_inputs
 
 # The cache quota where the caller names none (a cache warmed outside Dagster: tests, benchmarks);
 # the lora_adapter asset passes the one the row_group_cache resource warmed with.
@@ -66,8 +68,10 @@ class EpochBatches:
             return None
         return iter(self._reader)
 
-    def next(self) -> dict[str, torch.Tensor] | None:
-        """The next batch, rolling into the next epoch; None once `max_epochs` are done."""
+    def next(self) -> dict[str, torch.Tensor | int] | None:
+        """The model's inputs for the next batch, rolling into the next epoch; None once `max_epochs`
+        are done. Each packed example attends only to itself, as evaluation scores it
+        (packed_attention.packed_model_inputs)."""
         for _ in range(2):
             if self._iterator is None:
                 return None
@@ -80,7 +84,8 @@ class EpochBatches:
                             f"lengths in epoch {self._reader.epoch}; training needs every row to hold the same number of tokens"
                         )
                 self._check_label_width(batch)
-                return {name: torch.from_numpy(batch[name]).long() for name in TRAINING_COLUMNS}
+                return packed_model_inputs(batch["input_ids"], batch["labels"], self._config.attention,
+                                           model_dtype(self._config))
             self._iterator = self._start_epoch()  # an epoch that ends moves the reader to the next one
         raise RuntimeError(f"epoch {self.epoch} of {self._inputs.train_dirs} yields no batch of {self._config.micro_batch_size} rows for rank {self._rank}")
 

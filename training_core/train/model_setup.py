@@ -12,7 +12,8 @@ from training_core.errors import ConfigError
 from training_core.train.config import TrainingConfig
 
 
-def _torch_dtype(config: TrainingConfig) -> torch.dtype:
+def model_dtype(config: TrainingConfig) -> torch.dtype:
+    """The dtype the base model is loaded in (and eager attention's additive mask is built in)."""
     return torch.bfloat16 if config.precision == "bf16" else torch.float32
 
 
@@ -22,7 +23,7 @@ def load_base_model(config: TrainingConfig, model_path: str):
     Under ZeRO-3 the caller must keep an `HfDeepSpeedConfig` alive before this call, so that
     transformers partitions parameters while loading instead of materialising them on every rank.
     """
-    kwargs: dict = {"dtype": _torch_dtype(config), "attn_implementation": config.attention}
+    kwargs: dict = {"dtype": model_dtype(config), "attn_implementation": config.attention}
     if config.method == "qlora":
         from transformers import BitsAndBytesConfig  # GPU only; imported lazily
 
