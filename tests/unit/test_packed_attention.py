@@ -72,7 +72,7 @@ def _packed_batch(tmp_path: Path, rows: dict[str, np.ndarray], attention: str) -
     config = TrainingConfig(num_workers=1, micro_batch_size=len(rows["input_ids"]), max_steps=1, attention=attention)
     batches = EpochBatches(inputs, config, rank=0, world_size=1, epoch=0, state=None)
     try:
-        return batches.next()
+        return batches.model_inputs(batches.next())
     finally:
         batches.close()
 
@@ -100,7 +100,7 @@ def test_a_packed_batch_loses_what_its_examples_lose_scored_alone(tmp_path, spec
 
 
 def test_positions_restart_and_attention_stays_within_each_example():
-    from training_core.train.packed_attention import packed_model_inputs
+    from training_core.train.packed_attention import attention_inputs, packed_rows
 
     bos, eos, pad = 1, 2, 0
     # Row 0: two examples ([bos 5 | 6 eos], [bos 7 | eos]), then padding; row 1: one example filling it.
@@ -108,23 +108,22 @@ def test_positions_restart_and_attention_stays_within_each_example():
     labels = np.array([[IGNORE_INDEX, IGNORE_INDEX, 6, eos, IGNORE_INDEX, 7, eos, IGNORE_INDEX],
                        [IGNORE_INDEX, IGNORE_INDEX, 6, 7, 8, 9, 6, eos]], dtype=np.int32)
 
-    sdpa = packed_model_inputs(input_ids, labels, "sdpa", torch.float32)
-    assert sdpa["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], list(range(8))]
-    allowed = sdpa["attention_mask"]
+    rows = packed_rows(input_ids, labels)
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], list(range(8))]
+    allowed = attention_inputs(rows["position_ids"], "sdpa", torch.float32)["attention_mask"]
     assert allowed.shape == (2, 1, 8, 8) and allowed.dtype == torch.bool
     assert allowed[0, 0, 5].tolist() == [False] * 4 + [True, True, False, False]  # 7 sees its own bos and itself
     assert allowed[0, 0, 7].tolist() == [False] * 4 + [True] * 4  # padding: the last example's block, itself included
     assert torch.equal(allowed[1, 0], torch.ones(8, 8, dtype=torch.bool).tril())
 
-    eager = packed_model_inputs(input_ids, labels, "eager", torch.bfloat16)["attention_mask"]
+    eager = attention_inputs(rows["position_ids"], "eager", torch.bfloat16)["attention_mask"]
     assert eager.dtype == torch.bfloat16
     assert torch.equal(eager == 0, allowed) and (eager[~allowed] == torch.finfo(torch.bfloat16).min).all()
 
-    flash = packed_model_inputs(input_ids, labels, "flash_attention_2", torch.bfloat16)
+    flash = attention_inputs(rows["position_ids"], "flash_attention_2", torch.bfloat16)
     assert "attention_mask" not in flash
     assert flash["cu_seq_lens_q"].tolist() == flash["cu_seq_lens_k"].tolist() == [0, 4, 8, 16]
     assert flash["cu_seq_lens_q"].dtype == torch.int32 and flash["max_length_q"] == flash["max_length_k"] == 8
-    assert torch.equal(flash["position_ids"], sdpa["position_ids"])
     # Reader buffers are left as they were: labels are masked on a copy.
     assert labels[0].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 6, eos, IGNORE_INDEX, 7, eos, IGNORE_INDEX]
 

@@ -12,7 +12,7 @@ from training_core.data.batch_columns import TRAINING_COLUMNS, TRAINING_TRANSFOR
 from training_core.errors import SourceDataError
 from training_core.train.config import TrainingConfig
 from training_core.train.model_setup import model_dtype
-from training_core.train.packed_attention import packed_model_inputs
+from training_core.train.packed_attention import attention_inputs, packed_rows
 
 # The cache quota where the caller names none (a cache warmed outside Dagster: tests, benchmarks);
 # the lora_adapter asset passes the one the row_group_cache resource warmed with.
@@ -68,10 +68,9 @@ class EpochBatches:
             return None
         return iter(self._reader)
 
-    def next(self) -> dict[str, torch.Tensor | int] | None:
-        """The model's inputs for the next batch, rolling into the next epoch; None once `max_epochs`
-        are done. Each packed example attends only to itself, as evaluation scores it
-        (packed_attention.packed_model_inputs)."""
+    def next(self) -> dict[str, torch.Tensor] | None:
+        """The next batch (input_ids, labels, position_ids: packed_attention.packed_rows), rolling into
+        the next epoch; None once `max_epochs` are done."""
         for _ in range(2):
             if self._iterator is None:
                 return None
@@ -84,8 +83,7 @@ class EpochBatches:
                             f"lengths in epoch {self._reader.epoch}; training needs every row to hold the same number of tokens"
                         )
                 self._check_label_width(batch)
-                return packed_model_inputs(batch["input_ids"], batch["labels"], self._config.attention,
-                                           model_dtype(self._config))
+                return packed_rows(batch["input_ids"], batch["labels"])
             self._iterator = self._start_epoch()  # an epoch that ends moves the reader to the next one
         raise RuntimeError(f"epoch {self.epoch} of {self._inputs.train_dirs} yields no batch of {self._config.micro_batch_size} rows for rank {self._rank}")
 
@@ -98,6 +96,11 @@ class EpochBatches:
                 f"{', '.join(map(str, self._inputs.train_dirs))}: a batch in epoch {self._reader.epoch} holds rows of "
                 f"{inputs} input_ids but {labels} labels; training needs one label per input token"
             )
+
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | int]:
+        """A batch as the model takes it: each packed example attends only to itself, as evaluation
+        scores it. The mask (batch × seq² entries) is built here, for one micro-batch at a time."""
+        return {**batch, **attention_inputs(batch["position_ids"], self._config.attention, model_dtype(self._config))}
 
     def state_dict(self) -> dict:
         return self._reader.state_dict()

@@ -40,6 +40,7 @@ from training_core.train.checkpointing import (
 from training_core.train.config import TrainingConfig
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.deepspeed_startup import import_deepspeed, skip_unused_deepspeed_startup
+from training_core.train.loss_weighting import check_loss_takes_token_count, loss_to_backpropagate, step_token_count
 from training_core.train.model_setup import (
     apply_method, attention_shape, count_matmul_weights, count_parameters, load_base_model,
 )
@@ -147,6 +148,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
         zero3_keepalive = HfDeepSpeedConfig(ds_config)  # noqa: F841 — must outlive from_pretrained
     torch.manual_seed(config.seed)
     model = apply_method(load_base_model(config, inputs.model_path), config)
+    check_loss_takes_token_count(model)
     total_params, trainable_params = count_parameters(model)
     startup.mark("model_load")
     optimizer = torch.optim.AdamW(
@@ -178,25 +180,27 @@ def _run_recipe(inputs: WorkerInputs) -> None:
     )
     timer = StepTimer(synchronize=torch.cuda.synchronize if config.use_gpu else None)
     already_finished = progress.finished
-    unreduced_losses: list[torch.Tensor] = []  # this rank's step losses since the last report
+    unreduced_losses: list[torch.Tensor] = []  # this rank's shares of the step losses since the last report
     while progress.step < config.max_steps and not progress.finished:
+        # The whole step's micro-batches first: each one's loss is divided by the step's trained tokens.
+        with timer.phase("data_wait"):
+            micro_batches = [batches.next() for _ in range(config.gradient_accumulation_steps)]
+        if None in micro_batches:  # max_epochs reached (on every rank at once: ranks take equal shards)
+            progress.finished = True
+            break
+        with timer.phase("data_wait"):  # a rendezvous: waits for the slowest rank's batches
+            step_tokens = step_token_count(micro_batches, world_size, engine.device)
         step_loss = 0.0
-        for _ in range(config.gradient_accumulation_steps):
-            with timer.phase("data_wait"):
-                batch = batches.next()
-            if batch is None:  # max_epochs reached
-                progress.finished = True
-                break
+        for batch in micro_batches:
             with timer.phase("forward"):
-                loss = engine(**batch).loss  # the model's inputs, as EpochBatches builds them
+                # loss = summed token loss / step_tokens
+                loss = engine(**batches.model_inputs(batch), num_items_in_batch=step_tokens).loss
             with timer.phase("backward"):
-                engine.backward(loss)
+                engine.backward(loss_to_backpropagate(loss, world_size), scale_wrt_gas=False)
             with timer.phase("optimizer"):
                 engine.step()  # DeepSpeed steps the optimizer only at accumulation boundaries
-            step_loss += loss.detach().float() / config.gradient_accumulation_steps
+            step_loss += loss.detach().float()
             timer.tokens += batch["input_ids"].numel()
-        if progress.finished:
-            break
         unreduced_losses.append(step_loss)
         progress.step += 1
         progress.epoch = batches.epoch
@@ -204,7 +208,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
         _maybe_inject_fault(inputs, progress.step, rank, world_size)
         if progress.step % config.checkpoint_every_steps == 0 and progress.step < config.max_steps:
             with timer.checkpoint():  # checkpoint_s, not training time: tokens/s must not depend on the interval
-                _append_mean_losses(progress, unreduced_losses, world_size)
+                _append_mean_losses(progress, unreduced_losses)
                 _report(engine, rank, progress, batches.state_dict())
 
     if progress.step == 0 and not already_finished:
@@ -224,7 +228,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
                               **startup.durations, "time_to_first_step_s": sum(startup.durations.values()),
                               "cpu_cores_visible": len(os.sched_getaffinity(0)),  # 1 per worker when pinned
                               "parameters": total_params, "trainable_parameters": trainable_params}
-    _append_mean_losses(progress, unreduced_losses, world_size)
+    _append_mean_losses(progress, unreduced_losses)
     progress.finished = True
     if already_finished:  # nothing was trained here: report the finished run's model again
         write_model = functools.partial(_copy_finished_model, resumed_from, rank)
@@ -257,18 +261,17 @@ def pin_to_own_cores(local_rank: int, local_world_size: int, cpus_per_worker: in
     os.sched_setaffinity(0, usable[first : first + cpus_per_worker])
 
 
-def _append_mean_losses(progress: TrainingProgress, losses: list[torch.Tensor], world_size: int) -> None:
-    """Append the steps since the last report to the loss curve, as the mean over ranks (so the
-    curve does not depend on which rank logs it). One all-reduce per report instead of one per
+def _append_mean_losses(progress: TrainingProgress, losses: list[torch.Tensor]) -> None:
+    """Append the steps since the last report to the loss curve. Each rank holds its share of a
+    step's loss (its tokens' summed loss over the step's token count): summed over ranks, that is the
+    step's per-token mean, the same on every rank. One all-reduce per report instead of one per
     step: a collective costs a rendezvous of all ranks, about a millisecond on CPU with gloo."""
     if not losses:
         return
     summed = torch.stack(losses)
     torch.distributed.all_reduce(summed, op=torch.distributed.ReduceOp.SUM)
     first_step = progress.step - len(losses) + 1
-    progress.loss_history.extend(
-        (first_step + offset, value / world_size) for offset, value in enumerate(summed.tolist())
-    )
+    progress.loss_history.extend((first_step + offset, value) for offset, value in enumerate(summed.tolist()))
     losses.clear()
 
 

@@ -18,7 +18,8 @@ How the blocks reach the model depends on `TrainingConfig.attention`:
   transformers reads blocks from position ids alone only for a batch of one row. Not run on CPU.
 
 A mask holds batch × seq × seq entries: at seq_len 4096, 16 MiB a row as booleans (sdpa), 32 MiB in
-bf16 or 64 MiB in fp32 (eager).
+bf16 or 64 MiB in fp32 (eager). So a step holds its micro-batches as packed_rows (tokens and position
+ids) and builds each one's attention_inputs only as it goes to the model.
 """
 
 from __future__ import annotations
@@ -29,29 +30,31 @@ import torch
 from training_core.data.packing import IGNORE_INDEX, example_starts, row_eos_tokens
 
 
-def packed_model_inputs(input_ids: np.ndarray, labels: np.ndarray, attention: str,
-                        dtype: torch.dtype) -> dict[str, torch.Tensor | int]:
-    """The model's inputs for packed rows ([batch, seq] arrays): input_ids, labels, position_ids and
-    the attention inputs of ``attention`` (sdpa, eager, flash_attention_2); ``dtype`` is the model's,
-    for eager's additive mask."""
+def packed_rows(input_ids: np.ndarray, labels: np.ndarray) -> dict[str, torch.Tensor]:
+    """input_ids, labels and position_ids (restarting at 0 at each example) of packed rows: cheap,
+    what a step holds for all its micro-batches; the attention inputs follow from the position ids."""
     starts = example_starts(input_ids, labels, row_eos_tokens(input_ids, labels))
-    first_index = _example_first_index(starts)
     block_labels = labels.astype(np.int64)
     # an example's first token is not predicted from the one before (a row's first is never predicted)
     block_labels[:, 1:][starts[:, 1:]] = IGNORE_INDEX
-    inputs: dict[str, torch.Tensor | int] = {
+    return {
         "input_ids": torch.from_numpy(input_ids.astype(np.int64)),
         "labels": torch.from_numpy(block_labels),
-        "position_ids": torch.from_numpy(np.arange(starts.shape[1]) - first_index),
+        "position_ids": torch.from_numpy(np.arange(starts.shape[1]) - _example_first_index(starts)),
     }
+
+
+def attention_inputs(position_ids: torch.Tensor, attention: str, dtype: torch.dtype) -> dict[str, torch.Tensor | int]:
+    """What keeps the examples of packed rows apart for ``attention``, from their position ids: a
+    mask of batch × seq × seq entries, built only as a micro-batch goes to the model."""
     if attention == "flash_attention_2":
-        return {**inputs, **_flash_varlen_arguments(starts)}
+        return _flash_varlen_arguments((position_ids == 0).numpy())
+    first_index = (torch.arange(position_ids.shape[1]) - position_ids).numpy()
     allowed = _block_causal_mask(first_index)
     if attention == "sdpa":
-        return {**inputs, "attention_mask": allowed}
+        return {"attention_mask": allowed}
     if attention == "eager":
-        additive = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype).masked_fill_(allowed, 0.0)
-        return {**inputs, "attention_mask": additive}
+        return {"attention_mask": torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype).masked_fill_(allowed, 0.0)}
     raise ValueError(f"attention={attention!r}: packed rows need one of sdpa, eager, flash_attention_2")
 
 
