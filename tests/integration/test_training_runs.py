@@ -24,10 +24,12 @@ pytestmark = pytest.mark.integration
 # Dropout > 0: the random state then shapes every step, so a resume that did not restore it diverges.
 DEMO_LORA = LoraSettings(modules_to_save=["embed_tokens", "lm_head"], dropout=0.1)
 # Golden values for the run below (seed 0, data_seed 0, 2 000 demo records, 2 workers × 8 rows):
-# first loss is the untrained model on the first global batch; the tolerance covers BLAS differences
-# between CPUs, not behaviour changes.
-GOLDEN_FIRST_LOSS = 3.45
-GOLDEN_TOLERANCE = 0.05
+# first loss is the untrained model on the first global batch. The tolerance covers float differences
+# between CPUs (BLAS), not behaviour changes: at 0.05 every one of 15 data orders passed. The value
+# moves with the demo data, its split and packing, the attention mask and the loss weighting; update
+# it only for such a deliberate change, saying so in the commit.
+GOLDEN_FIRST_LOSS = 3.44866
+GOLDEN_TOLERANCE = 5e-4
 
 
 def _config(**overrides) -> TrainingConfig:
