@@ -102,7 +102,8 @@ def run_plain(inputs: BenchInputs, sizes: Sizes) -> dict:
 
     from training_core.data import RowGroupReader
     from training_core.data.batch_columns import TRAINING_COLUMNS
-    from training_core.train.model_setup import apply_method, load_base_model
+    from training_core.train.model_setup import apply_method, load_base_model, model_dtype
+    from training_core.train.packed_attention import attention_inputs, packed_rows
     from training_core.train.schedule import build_lr_scheduler
 
     steps = sizes.warmup_steps + sizes.measured_steps
@@ -117,7 +118,7 @@ def run_plain(inputs: BenchInputs, sizes: Sizes) -> dict:
                                 drop_last=True)
         batches = []
         for batch in reader:
-            batches.append({name: torch.from_numpy(batch[name]).long() for name in TRAINING_COLUMNS})
+            batches.append(packed_rows(batch["input_ids"], batch["labels"]))  # as EpochBatches gives them
             if len(batches) == steps:
                 break
         reader.close()
@@ -130,7 +131,8 @@ def run_plain(inputs: BenchInputs, sizes: Sizes) -> dict:
         step_times, step_cpu, losses = [], [], []
         for batch in batches:
             started, cpu_started = time.perf_counter(), time.thread_time()
-            loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            # the mask is built in the step, as Tessera's loop builds it (one micro batch: the token mean)
+            loss = model(**batch, **attention_inputs(batch["position_ids"], config.attention, model_dtype(config))).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(parameters, config.gradient_clipping)
             optimizer.step()
