@@ -129,8 +129,8 @@ def test_rewritten_file_never_serves_stale_rows(tmp_path):
         assert reader.stats.cache_hits == 0
 
 
-def test_a_local_file_rewritten_with_the_same_size_never_serves_stale_rows(tmp_path):
-    # path and size match the cached entries: only the modification time tells the rewrite apart
+def _two_parquet_files_of_one_size() -> tuple[bytes, bytes]:
+    """Parquet bytes of rows 10..19, and of other rows in a file of exactly the same size."""
     import io
 
     def parquet_bytes(values) -> bytes:
@@ -139,7 +139,15 @@ def test_a_local_file_rewritten_with_the_same_size_never_serves_stale_rows(tmp_p
         return sink.getvalue()
 
     first = parquet_bytes(range(10, 20))
-    second = next(data for k in range(1, 1000) if len(data := parquet_bytes(range(1000 * k, 1000 * k + 10))) == len(first))
+    return first, next(data for k in range(1, 1000)
+                       if len(data := parquet_bytes(range(1000 * k, 1000 * k + 10))) == len(first))
+
+
+def test_a_local_file_rewritten_with_the_same_size_never_serves_stale_rows(tmp_path):
+    # path and size match the cached entries: only the modification time tells the rewrite apart
+    import io
+
+    first, second = _two_parquet_files_of_one_size()
     path = tmp_path / "data.parquet"
     cache = CacheConfig(tmp_path / "cache", 2**26, shards=1)
     path.write_bytes(first)
@@ -162,13 +170,7 @@ def test_a_file_rewritten_with_the_same_size_on_a_filesystem_without_mtimes_neve
 
     import fsspec
 
-    def parquet_bytes(values) -> bytes:
-        sink = io.BytesIO()
-        pq.write_table(pa.table({"v": np.asarray(values, dtype=np.int64)}), sink, row_group_size=5)
-        return sink.getvalue()
-
-    first = parquet_bytes(range(10, 20))
-    second = next(data for k in range(1, 1000) if len(data := parquet_bytes(range(1000 * k, 1000 * k + 10))) == len(first))
+    first, second = _two_parquet_files_of_one_size()
     memory = fsspec.filesystem("memory")
     source = f"memory://{tmp_path.name}/part.parquet"
     cache = CacheConfig(tmp_path / "cache", 2**26, shards=1)
