@@ -6,16 +6,27 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import platform
 import re
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from training_core.errors import ConfigError
 
 # Packages whose version can change a training result; numpy draws the data order (its Generator
-# streams are not promised stable across versions). Their versions are in every lineage record,
-# and their digest is part of what decides whether a run is reused or resumed (runs.REUSE_KEYS).
-TRACKED_PACKAGES = ("torch", "deepspeed", "transformers", "peft", "ray", "pyarrow", "numpy")
+# streams are not promised stable across versions), tokenizers tokenizes the eval records, safetensors
+# writes and reads the weights, accelerate places them (PEFT and transformers import it). Their
+# versions, bitsandbytes' (QLoRA numerics; "not installed" where it is not) and the interpreter's
+# are in every lineage record, and their digest is part of what decides whether a run is reused or
+# resumed (runs.REUSE_KEYS).
+TRACKED_PACKAGES = ("torch", "deepspeed", "transformers", "peft", "ray", "pyarrow", "numpy", "tokenizers",
+                    "safetensors", "accelerate")
+OPTIONAL_TRACKED_PACKAGES = ("bitsandbytes",)
+# Recorded only, outside the digest: they schedule and log a run, its numbers do not depend on them,
+# so upgrading them must not retrain (or refuse to resume) every run.
+RECORDED_PACKAGES = ("dagster", "mlflow")
+PYTHON = "python"  # `version_python`: the interpreter (compiled libraries are built per Python version)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -99,7 +110,15 @@ def _file_digest(path: Path) -> bytes:
 
 
 def package_versions() -> dict[str, str]:
-    return {f"version_{name}": importlib.metadata.version(name) for name in TRACKED_PACKAGES}
+    """The versions a training result depends on (`environment_digest` hashes them)."""
+    versions = {f"version_{name}": importlib.metadata.version(name) for name in TRACKED_PACKAGES}
+    versions |= {f"version_{name}": installed_version(name) for name in OPTIONAL_TRACKED_PACKAGES}
+    return {**versions, f"version_{PYTHON}": platform.python_version()}
+
+
+def recorded_only_versions() -> dict[str, str]:
+    """Versions in the lineage record that decide nothing (see RECORDED_PACKAGES)."""
+    return {f"version_{name}": installed_version(name) for name in RECORDED_PACKAGES}
 
 
 def environment_digest(versions: dict[str, str]) -> str:
@@ -111,7 +130,9 @@ def environment_digest(versions: dict[str, str]) -> str:
 
 def installed_version(package: str) -> str:
     """The installed version, or "not installed" (a recorded run may name a package this
-    environment no longer has)."""
+    environment no longer has); for "python", this interpreter's (`version_python`)."""
+    if package == PYTHON:
+        return platform.python_version()
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -161,4 +182,81 @@ def build_lineage_record(
         "partition_keys": ",".join(partition_keys),
         **versions,
         "environment_digest": environment_digest(versions),
+        **recorded_only_versions(),
     }
+
+
+def hardware_tags() -> dict[str, str]:
+    """This machine, as MLflow tags: float results can differ across CPUs, GPUs and CUDA / cuDNN /
+    NCCL builds, but a machine is not an input, so no digest holds them and they decide no reuse.
+    The GPU ones only where torch sees a GPU."""
+    import torch
+
+    tags = {"hardware.platform": platform.platform(), "hardware.cpu": _cpu_model(),
+            "hardware.cpu_count": str(os.cpu_count())}
+    if torch.cuda.is_available():
+        cudnn = torch.backends.cudnn.version()
+        has_nccl = torch.distributed.is_available() and torch.distributed.is_nccl_available()  # a build option
+        tags |= {
+            "hardware.gpu": torch.cuda.get_device_name(),
+            "hardware.gpu_count": str(torch.cuda.device_count()),
+            "hardware.cuda": torch.version.cuda or f"none (ROCm {torch.version.hip})",
+            "hardware.cudnn": str(cudnn) if cudnn is not None else "not available",
+            "hardware.nccl": ".".join(str(part) for part in torch.cuda.nccl.version()) if has_nccl else "not available",
+        }
+    return tags
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():  # Linux: platform.processor() says only "x86_64"
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model") and value.strip():  # x86 / ARM
+                return value.strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+# A patch larger than this is not saved (a 16 MiB code change is generated files, not edits).
+LARGEST_CODE_PATCH = 16 * 2**20
+# What `git apply` needs, whatever the user's git config: binary hunks, no colour, no external diff tool.
+_PATCH_OPTIONS = ("--binary", "--no-color", "--no-ext-diff")
+
+
+@dataclass(frozen=True)
+class CodeChanges:
+    """The uncommitted code changes `code_version`'s `-dirty-<hash>` stands for."""
+
+    files: list[str]  # changed and untracked code files, relative to the repository root
+    patch: bytes | None  # restores them on the commit (`git apply`); None when over LARGEST_CODE_PATCH
+
+
+def uncommitted_code_changes(repo_root: Path = REPO_ROOT) -> CodeChanges | None:
+    """The changes to the files `code_version` covers: the diff of tracked ones and each untracked one
+    as a new file, in one patch. None for a clean tree, or outside a git checkout (its code version
+    hashes the sources; there is no commit to patch)."""
+    try:
+        tracked = _git(repo_root, "diff", *_PATCH_OPTIONS, "HEAD", "--", *_CODE_PATHSPECS)
+        changed = _git(repo_root, "diff", "-z", "--name-only", "HEAD", "--", *_CODE_PATHSPECS)
+        untracked = _git(repo_root, "ls-files", "-z", "--others", "--exclude-standard", "--", *_CODE_PATHSPECS)
+        untracked_names = sorted(os.fsdecode(name) for name in untracked.split(b"\0") if name)
+        files = sorted({os.fsdecode(name) for name in changed.split(b"\0") if name} | set(untracked_names))
+        if not files:
+            return None
+        patch = bytearray(tracked)
+        for name in untracked_names:
+            # sized before it is read: an untracked file may be gigabytes of data
+            if len(patch) + (repo_root / name).lstat().st_size > LARGEST_CODE_PATCH:
+                return CodeChanges(files=files, patch=None)
+            # --no-index exits 1 when the files differ, which they always do here
+            patch += _git(repo_root, "diff", "--no-index", *_PATCH_OPTIONS, "--", "/dev/null", name, ok_codes=(0, 1))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return CodeChanges(files=files, patch=bytes(patch) if len(patch) <= LARGEST_CODE_PATCH else None)
+
+
+def _git(repo_root: Path, *arguments: str, ok_codes: tuple[int, ...] = (0,)) -> bytes:
+    done = subprocess.run(["git", "-C", str(repo_root), *arguments], capture_output=True, timeout=60)
+    if done.returncode not in ok_codes:
+        raise subprocess.CalledProcessError(done.returncode, done.args, done.stdout, done.stderr)
+    return done.stdout

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 from training_core.errors import ConfigError, LineageError
+from training_core.lineage import LARGEST_CODE_PATCH, REPO_ROOT, CodeChanges, hardware_tags, uncommitted_code_changes
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,18 @@ def _check_artifact_location(experiment: str, location: str, artifact_root: Path
             f"{artifact_root}: was the state folder moved? New runs would write outside it and earlier "
             "runs' models could not be loaded; move it back, or use another experiment name or database"
         )
+
+
+def _write_code_changes(changes: CodeChanges, folder: Path, run_id: str) -> None:
+    if changes.patch is not None:
+        (folder / "code_changes.patch").write_bytes(changes.patch)
+        return
+    # A truncated patch applies to nothing: name the files instead, and say why there is no patch.
+    log.warning("MLflow run %s: its uncommitted code changes exceed %d MiB and are not saved; commit them to "
+                "keep them recoverable", run_id, LARGEST_CODE_PATCH // 2**20)
+    (folder / "code_changes_not_saved.txt").write_text(
+        f"The uncommitted changes to these files are over {LARGEST_CODE_PATCH // 2**20} MiB as a patch, so no "
+        "patch was saved; this run's code cannot be recovered from MLflow.\n" + "\n".join(changes.files) + "\n")
 
 
 class MlflowTracking:
@@ -81,16 +94,21 @@ class MlflowTracking:
             self.client.set_terminated(run_id, status="KILLED")
         return abandoned
 
-    def log_lineage(self, run_id: str, *, lineage: dict[str, str], config: dict, dataset_paths: list[str]) -> None:
+    def log_lineage(self, run_id: str, *, lineage: dict[str, str], config: dict, dataset_paths: list[str],
+                    repo_root: Path = REPO_ROOT) -> None:
         """What the run is made of, logged before it trains: a run that fails or is killed still
-        says which data, config, seeds and code it ran with."""
-        self.log_batch(run_id, params=lineage)
+        says which data, config, seeds and code it ran with, and on which machine (tags). Code with
+        uncommitted changes (``repo_root``'s) is saved as ``code_changes.patch``: its
+        ``<sha>-dirty-<hash>`` code version names no commit to check out."""
+        self.log_batch(run_id, params=lineage, tags=hardware_tags())
         for path in dataset_paths:
             self._log_dataset_input(run_id, path, Path(path).name)
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
             (folder / "training_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
             (folder / "lineage.json").write_text(json.dumps(lineage, indent=2, sort_keys=True))
+            if (changes := uncommitted_code_changes(repo_root)) is not None:
+                _write_code_changes(changes, folder, run_id)
             self.client.log_artifacts(run_id, str(folder))
 
     def log_training(self, run_id: str, *, result) -> None:
