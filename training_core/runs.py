@@ -21,6 +21,7 @@ from training_core.tracking import MlflowTracking
 from training_core.train.config import TrainingConfig
 from training_core.train.fault_injection import FAULT_STEP_ENV, fault_step_for
 from training_core.train.result import TrainingResult
+from training_core.train.worker_code import CodeIdentity
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,7 @@ def run_tracked_training(
             storage_path=Path(ray_storage),
             run_name=name,
             output_dir=models_dir,
+            recorded_code=CodeIdentity.from_lineage(lineage),  # the workers must run what the lineage records
         )
         tracking.log_training(run_id, result=result)
     except BaseException:

@@ -341,6 +341,47 @@ def set_aside_unusable_ray_snapshot(run_directory: Path, ray_version: str) -> st
     return reason
 
 
+def remove_checkpoints_ray_does_not_keep(run_directory: Path, final_checkpoint: Path) -> list[Path]:
+    """Delete a finished run's ``checkpoint_*`` folders that Ray's checkpoint list does not name;
+    call it only once the final model is published. Returns the folders removed.
+
+    Ray deletes only the checkpoints its list holds beyond ``num_to_keep``; those it never knew of
+    stay for good: the ones a set-aside list named (`set_aside_unusable_ray_snapshot`), and one
+    uploaded by a worker killed before Ray registered it. Nothing resumes from them once the run
+    has finished. Only folders holding a file of ours (progress.json, a manifest, a worker-<rank>.pt)
+    are removed; nothing is when the list is unreadable or lacks `final_checkpoint`."""
+    try:
+        state = json.loads((run_directory / RAY_SNAPSHOT).read_text())
+        results = [*state["checkpoint_results"], state.get("latest_checkpoint_result"),
+                   *state.get("pending_training_results", [])]
+        listed = {result["checkpoint_dir_name"] for result in results if result}
+    except (OSError, ValueError, AttributeError, TypeError, KeyError) as error:
+        log.warning("not removing checkpoints Ray does not list: its list %s is unreadable (%s)",
+                    run_directory / RAY_SNAPSHOT, error)
+        return []
+    if final_checkpoint.parent.resolve() != run_directory.resolve() or final_checkpoint.name not in listed:
+        log.warning("not removing checkpoints Ray does not list: its list in %s does not name the final checkpoint %s",
+                    run_directory, final_checkpoint)
+        return []
+    removed = []
+    for candidate in sorted(run_directory.glob("checkpoint_*")):
+        if candidate.name in listed or candidate.is_symlink() or not _holds_a_file_of_ours(candidate):
+            continue
+        try:
+            shutil.rmtree(candidate)  # a kill midway leaves a folder that no longer verifies: never resumed
+        except OSError as error:
+            log.warning("could not remove checkpoint %s, which Ray does not list: %s", candidate, error)
+            continue
+        log.info("removed checkpoint %s: Ray's list does not name it, so Ray would never delete it", candidate)
+        removed.append(candidate)
+    return removed
+
+
+def _holds_a_file_of_ours(directory: Path) -> bool:
+    patterns = (PROGRESS_FILE, f"{MANIFEST_PREFIX}*.json", "worker-*.pt")
+    return directory.is_dir() and any(next(directory.glob(pattern), None) is not None for pattern in patterns)
+
+
 def checkpoint_a_relaunch_resumes_from(run_directory: Path) -> Path | None:
     """The checkpoint folder a relaunch's workers will resume from, or None for a fresh start.
 

@@ -20,6 +20,7 @@ from training_core.train.checkpointing import (
     drop_engine_state_of_earlier_checkpoints,
     load_progress,
     refuse_changed_settings,
+    remove_checkpoints_ray_does_not_keep,
     set_aside_unusable_ray_snapshot,
     verify_checkpoint_files,
 )
@@ -32,6 +33,7 @@ from training_core.train.loop import WorkerInputs, train_loop_per_worker
 from training_core.train.ray_trainer import torch_trainer_class, use_quick_health_checks
 from training_core.train.repeatable_failures import clear_repeatable_failure, recorded_repeatable_failure
 from training_core.train.result import TrainingResult
+from training_core.train.worker_code import CodeIdentity
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +127,15 @@ def run_training(
     cache_policy: str = "evict",
     base_model_identity: str | None = None,
     training_data_identity: list[str] | None = None,
+    recorded_code: CodeIdentity | None = None,
 ) -> TrainingResult:
     """Train on Ray; reruns with the same `run_name` and storage resume from the last checkpoint.
     ``cache_size_limit_bytes`` / ``cache_policy``: those the cache in ``cache_dir`` was warmed with
     (default: ``batches.DEFAULT_CACHE_SIZE_LIMIT_BYTES``, evict). ``base_model_identity`` /
     ``training_data_identity``: what a relaunch of `run_name` must train on too, else it is refused
-    (default: ``model_path`` and ``train_dirs``; content digests let a moved folder resume)."""
+    (default: ``model_path`` and ``train_dirs``; content digests let a moved folder resume).
+    ``recorded_code``: the code and library versions the run's lineage records (default: this
+    process's); every worker refuses to train when it runs others."""
     import ray.train
     from ray.train.torch import TorchConfig
 
@@ -157,6 +162,7 @@ def run_training(
         launched_at=time.time(),
         base_model_identity=base_model_identity,
         training_data_identity=training_data_identity,
+        recorded_code=(recorded_code or CodeIdentity.of_this_process()).as_dict(),
     )
     use_quick_health_checks()
     set_aside_unusable_ray_snapshot(storage_path / run_name, ray.__version__)
@@ -208,9 +214,11 @@ def run_training(
 
 def publish_final_checkpoint(checkpoint: Path, run_directory: Path, final_model: Path) -> Path:
     """Publish the final checkpoint's model and, only once that succeeded, drop the engine state
-    of the run's earlier checkpoints: until the model is published, a relaunch may resume from it."""
+    of the run's earlier checkpoints and the checkpoints Ray's list has lost track of: until the
+    model is published, a relaunch may resume from them."""
     published = publish_model(checkpoint, final_model)
     drop_engine_state_of_earlier_checkpoints(run_directory, checkpoint)
+    remove_checkpoints_ray_does_not_keep(run_directory, checkpoint)
     return published
 
 

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from training_core.base_model import hub_revision_of_snapshot
 from training_core.errors import ConfigError
 from training_core.train.batches import EpochBatches
+from training_core.train.checkpoint_staging import checkpoint_staging_directory, remove_abandoned_checkpoint_staging
 from training_core.train.checkpointing import (
     MODEL_DIR,
     TrainingProgress,
@@ -51,6 +51,7 @@ from training_core.train.repeatable_failures import (
 )
 from training_core.train.schedule import build_lr_scheduler
 from training_core.train.telemetry import StartupClock, StepTimer, model_flops_per_token, resolve_peak_preset
+from training_core.train.worker_code import CodeIdentity, refuse_other_code
 
 if TYPE_CHECKING:
     from ray.train import Checkpoint
@@ -78,6 +79,9 @@ class WorkerInputs:
     # What a relaunch of this run must train on too (None: model_path, train_dirs).
     base_model_identity: str | None = None
     training_data_identity: list[str] | None = None
+    # The code and library versions the driver recorded for this run (CodeIdentity.as_dict()); each
+    # worker refuses to train when it runs others. None: not checked.
+    recorded_code: dict | None = None
 
     def trained_on(self) -> tuple[str, list[str]]:
         """(base model, training data) as the relaunch check compares them."""
@@ -117,14 +121,18 @@ def _run_recipe(inputs: WorkerInputs) -> None:
     startup.mark("ray_worker_group", at=_MODULE_IMPORT_STARTED)  # Ray Train controller, workers, process group
     startup.mark("recipe_imports")  # torch, transformers, … (pulled in by unpickling this function)
     config = TrainingConfig.model_validate(inputs.config)
+    import ray.train
+
+    remove_abandoned_checkpoint_staging()  # of workers on this host killed while checkpointing
+    # Before anything is loaded: a worker running other code than the lineage records trains nothing.
+    if inputs.recorded_code is not None:
+        refuse_other_code(CodeIdentity(**inputs.recorded_code), ray.train.get_context().get_world_rank())
     # Set here rather than through a Ray runtime_env, which costs seconds of worker start-up; from
     # the config, not the inherited environment (the driver warns when that asked for another).
     os.environ["DS_ACCELERATOR"] = "cuda" if config.use_gpu else "cpu"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_known_library_warnings()
     deepspeed = import_deepspeed()  # after DS_ACCELERATOR: DeepSpeed picks its accelerator at import
-    import ray.train
-
     skip_unused_deepspeed_startup(config.use_gpu)
     startup.mark("deepspeed_import")
 
@@ -324,14 +332,13 @@ def _report(engine, rank: int, progress: TrainingProgress, loader_state: dict,
     finished run)."""
     import ray.train
 
-    with tempfile.TemporaryDirectory(prefix="tessera-ckpt-") as tmp:
-        directory = Path(tmp)
+    with checkpoint_staging_directory() as directory:
         save_checkpoint(directory, engine, rank, progress, loader_state, engine_state=write_model is None)
         if write_model is not None:
             write_model(directory / MODEL_DIR)
         seal_checkpoint(directory, rank)
         metrics = {"step": progress.step, "loss": progress.loss_history[-1][1] if progress.loss_history else None}
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(directory)))
 
 
 def _copy_finished_model(checkpoint: Checkpoint | Path, rank: int, directory: Path) -> None:
