@@ -40,6 +40,35 @@ def test_a_window_of_days_split_with_different_eval_fractions_is_refused_naming_
     assert window.partition_keys == ["2026-11-01", "2026-11-03"]
 
 
+def test_a_window_mixing_a_day_split_by_prompt_text_is_refused_naming_the_day_to_rematerialize(tmp_path):
+    """Days materialized before the split hashed prompt tokens were split by a hash of the prompt's
+    text: upgrading does not make them stale, and most prompts held out on such a day would be
+    trained on from a day split by tokens."""
+    import json
+    import shutil
+
+    tokenizer = local_tokenizer(tmp_path / "tokenizer", bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    records = generate_records("2026-11-01", 400)
+    day1 = write_dataset(records, tokenizer, tmp_path / "1", DatasetSpec(), source_label="d1")
+    day2 = write_dataset(records, tokenizer, tmp_path / "2", DatasetSpec(), source_label="d2")
+    # day 1 as the earlier writer published it: a manifest naming no split method, handed over
+    # (pickled by Dagster) before PublishedDataset recorded the split
+    older = tmp_path / "older"
+    shutil.copytree(day1.path, older)
+    manifest = json.loads((older / "manifest.json").read_text())
+    del manifest["eval_split_method"]
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    handed_over = replace(day1, path=str(older), eval_split_method=None, eval_fraction=None)
+
+    assert handed_over.eval_split() == ("prompt-text", 0.05) and day2.eval_split() == ("prompt-token-ids", 0.05)
+    with pytest.raises(ValueError, match=r"partitions 2026-11-01 \(split by prompt-text\), 2026-11-02 \(split by "
+                                         r"prompt-token-ids\) were split by different methods.*rematerialize "
+                                         r"training_dataset for 2026-11-01$"):
+        DatasetWindow.from_partitions({"2026-11-01": handed_over, "2026-11-02": day2})
+    assert DatasetWindow.from_partitions({"2026-11-01": day1, "2026-11-02": day2}).partition_keys == [
+        "2026-11-01", "2026-11-02"]
+
+
 def test_prompts_a_tokenizer_normalizes_alike_land_in_one_split(tmp_path):
     """An NFC normalizer (Qwen2's tokenizer has one) reads the NFC and NFD forms of a prompt as the same
     tokens: a split by raw text put 12 of 200 such pairs on both sides, and no_eval_leakage blocked the day."""

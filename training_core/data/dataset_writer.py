@@ -18,6 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training_core.data.packing import (
+    EVAL_SPLIT_METHOD,
+    TEXT_EVAL_SPLIT_METHOD,
     RowPacker,
     SpecialTokensInText,
     check_fits,
@@ -67,9 +69,10 @@ class PublishedDataset:
     # were recorded with it (written outside Dagster, or stored before checks were recorded).
     # Consumers launched on their own (a later day's training window) read it to refuse the day.
     failed_checks: tuple[str, ...] | None = None
-    # Share of prompts held out: days of one training window must share it, or a prompt held out on
-    # one day is trained on from another. None: handed over before it was recorded here (the
-    # manifest has it: see split_eval_fraction).
+    # How prompts were held out (packing.EVAL_SPLIT_METHOD) and what share: days of one training
+    # window must share both, or a prompt held out on one day is trained on from another. None:
+    # handed over before they were recorded here (the manifest has them: see eval_split).
+    eval_split_method: str | None = None
     eval_fraction: float | None = None
     # Examples the split held out, scored or not: those beyond max_eval_examples are in neither split.
     held_out_examples: int | None = None
@@ -78,14 +81,17 @@ class PublishedDataset:
     def train_dir(self) -> Path:
         return Path(self.path) / "train"
 
-    def split_eval_fraction(self) -> float | None:
-        """The eval_fraction this dataset was split with: the field, or for a dataset handed over before
-        it was recorded there, its manifest's spec (every manifest has one). None when neither tells."""
-        if self.eval_fraction is not None:
-            return self.eval_fraction
+    def eval_split(self) -> tuple[str, float] | None:
+        """(split method, eval_fraction) this dataset was held out with: the fields, or for a dataset
+        handed over before they were recorded there, its manifest (a manifest naming no method was
+        split by prompt text). None when neither tells."""
+        if self.eval_split_method is not None and self.eval_fraction is not None:
+            return self.eval_split_method, self.eval_fraction
         try:
-            return float(json.loads((Path(self.path) / "manifest.json").read_text())["spec"]["eval_fraction"])
-        except (OSError, ValueError, KeyError, TypeError):
+            manifest = json.loads((Path(self.path) / "manifest.json").read_text())
+            return (manifest.get("eval_split_method", TEXT_EVAL_SPLIT_METHOD),
+                    float(manifest["spec"]["eval_fraction"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
 
@@ -173,6 +179,7 @@ def write_dataset(
             "train_examples": train_examples,
             "eval_examples": len(eval_records),
             "held_out_examples": eval_count,
+            "eval_split_method": EVAL_SPLIT_METHOD,
             **(extra_manifest or {}),
         }
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
@@ -190,6 +197,7 @@ def write_dataset(
         files=files.count,
         seq_len=spec.seq_len,
         tokens=tokens,
+        eval_split_method=EVAL_SPLIT_METHOD,
         eval_fraction=spec.eval_fraction,
         held_out_examples=eval_count,
     )

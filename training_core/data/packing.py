@@ -23,6 +23,13 @@ class TokenizedExample:
     response_ids: list[int]  # ends with eos
 
 
+# How is_eval_example splits, recorded in every dataset's manifest: a training window must not mix
+# datasets split otherwise, or a prompt held out on one day is trained on from another. Datasets
+# whose manifest names none were split by a hash of the prompt's text (before 2026-12-06).
+EVAL_SPLIT_METHOD = "prompt-token-ids"
+TEXT_EVAL_SPLIT_METHOD = "prompt-text"
+
+
 def is_eval_example(prompt_ids: Sequence[int], eval_fraction: float) -> bool:
     """Split by a hash of the prompt's token ids (:attr:`TokenizedExample.prompt_ids`), not its text:
     prompts the model sees as one (text a tokenizer normalizes alike: NFC and NFD forms, full-width

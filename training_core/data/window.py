@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from training_core.data.batch_columns import TRAINING_COLUMNS, TRAINING_TRANSFORM_VERSION
 from training_core.data.cache import cache_version
 from training_core.data.dataset_writer import PublishedDataset, read_eval_records
+from training_core.data.packing import EVAL_SPLIT_METHOD
 
 
 def window_digest(digests: list[str]) -> str:
@@ -31,7 +32,7 @@ class DatasetWindow:
         if len(seq_lens) != 1:
             raise ValueError(f"partitions {keys} were packed with different seq_len {sorted(seq_lens)}; "
                              "rematerialize training_dataset for them with one seq_len")
-        _refuse_mixed_eval_fractions({k: by_partition[k].split_eval_fraction() for k in keys})
+        _refuse_mixed_eval_splits({k: by_partition[k].eval_split() for k in keys})
         return cls(keys, [by_partition[k] for k in keys])
 
     @property
@@ -61,13 +62,20 @@ class DatasetWindow:
                 if cache_versions.get(key) != cache_version(d.digest, TRAINING_COLUMNS, TRAINING_TRANSFORM_VERSION)]
 
 
-def _refuse_mixed_eval_fractions(fractions: dict[str, float | None]) -> None:
-    """The split is a pure function of (prompt tokens, eval_fraction): with another fraction on another
-    day, a prompt held out (and scored) on one day is trained on from the other. A day whose fraction
-    nothing records (no manifest left) is not compared: training refuses it for that missing manifest."""
-    known = {key: fraction for key, fraction in fractions.items() if fraction is not None}
-    if len(set(known.values())) > 1:
-        days = ", ".join(f"{key} (eval_fraction={fraction})" for key, fraction in known.items())
+def _refuse_mixed_eval_splits(splits: dict[str, tuple[str, float] | None]) -> None:
+    """The split is a pure function of (prompt, method, eval_fraction): with another method or
+    fraction on another day, a prompt held out (and scored) on one day is trained on from the other.
+    A day whose split nothing records (no manifest left) is not compared: training refuses it for
+    that missing manifest."""
+    known = {key: split for key, split in splits.items() if split is not None}
+    if len({method for method, _ in known.values()}) > 1:
+        stale = [key for key, (method, _) in known.items() if method != EVAL_SPLIT_METHOD] or list(known)
+        days = ", ".join(f"{key} (split by {method})" for key, (method, _) in known.items())
+        raise ValueError(f"partitions {days} were split by different methods (this version splits by "
+                         f"{EVAL_SPLIT_METHOD}), so prompts held out on one day are trained on from another; "
+                         f"rematerialize training_dataset for {', '.join(stale)}")
+    if len({fraction for _, fraction in known.values()}) > 1:
+        days = ", ".join(f"{key} (eval_fraction={fraction})" for key, (_, fraction) in known.items())
         raise ValueError(f"partitions {days} were split with different eval_fraction, so prompts held out on one "
                          "day are trained on from another; rematerialize training_dataset for them with one "
                          "eval_fraction")
