@@ -61,7 +61,7 @@ def _scored_alone(model, example: TokenizedExample) -> torch.Tensor:
     return _summed_token_loss(model(input_ids=ids).logits, labels)
 
 
-def _packed_batch(tmp_path: Path, rows: dict[str, np.ndarray], attention: str) -> dict:
+def _packed_batch(tmp_path: Path, rows: dict[str, np.ndarray], attention: str, device: str = "cpu") -> dict:
     """The training loop's one batch over these packed rows, as EpochBatches gives it to the model."""
     directory = tmp_path / "train"
     directory.mkdir()
@@ -72,7 +72,7 @@ def _packed_batch(tmp_path: Path, rows: dict[str, np.ndarray], attention: str) -
     config = TrainingConfig(num_workers=1, micro_batch_size=len(rows["input_ids"]), max_steps=1, attention=attention)
     batches = EpochBatches(inputs, config, rank=0, world_size=1, epoch=0, state=None)
     try:
-        return batches.model_inputs(batches.next())
+        return batches.model_inputs(batches.next(), device)
     finally:
         batches.close()
 
@@ -155,3 +155,15 @@ def test_flash_attention_keeps_examples_apart_over_a_batch_of_rows(tmp_path):
         packed = _summed_token_loss(model(**on_gpu).logits, on_gpu["labels"])
         alone = sum(_scored_alone(model, example) for example in examples)
     assert packed.item() == pytest.approx(alone.item(), rel=2e-2)  # bf16
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_every_model_input_goes_to_the_models_device(tmp_path, attention):
+    """DeepSpeed's engine moves no inputs: on a GPU, CPU batches would fail in the first forward.
+    ("meta" stands for the GPU here: a device without storage that any CPU tensor can move to.)"""
+    tokenizer = local_tokenizer(tmp_path / "tokenizer", **LAYOUTS["own pad"])
+    rows = pack_examples(_examples(tokenizer), SEQ_LEN, tokenizer.pad_token_id)
+    batch = _packed_batch(tmp_path, rows, attention, device="meta")
+    tensors = {name: value for name, value in batch.items() if isinstance(value, torch.Tensor)}
+    assert {"input_ids", "labels", "position_ids"} <= tensors.keys()
+    assert {name: value.device.type for name, value in tensors.items()} == dict.fromkeys(tensors, "meta")

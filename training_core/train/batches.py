@@ -97,10 +97,12 @@ class EpochBatches:
                 f"{inputs} input_ids but {labels} labels; training needs one label per input token"
             )
 
-    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | int]:
-        """A batch as the model takes it: each packed example attends only to itself, as evaluation
-        scores it. The mask (batch × seq² entries) is built here, for one micro-batch at a time."""
-        return {**batch, **attention_inputs(batch["position_ids"], self._config.attention, model_dtype(self._config))}
+    def model_inputs(self, batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor | int]:
+        """A batch as the model takes it, on the model's ``device`` (DeepSpeed's engine moves no
+        inputs): each packed example attends only to itself, as evaluation scores it. The mask
+        (batch × seq² entries) is built here, for one micro-batch at a time."""
+        inputs = {**batch, **attention_inputs(batch["position_ids"], self._config.attention, model_dtype(self._config))}
+        return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
 
     def state_dict(self) -> dict:
         return self._reader.state_dict()

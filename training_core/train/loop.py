@@ -202,7 +202,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
         for batch in micro_batches:
             with timer.phase("forward"):
                 # loss = summed token loss / step_tokens
-                loss = engine(**batches.model_inputs(batch), num_items_in_batch=step_tokens).loss
+                loss = engine(**batches.model_inputs(batch, engine.device), num_items_in_batch=step_tokens).loss
             with timer.phase("backward"):
                 engine.backward(loss_to_backpropagate(loss, world_size), scale_wrt_gas=False)
             with timer.phase("optimizer"):
