@@ -12,11 +12,11 @@ import pytest
 from training_core.base_model import load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, read_eval_records, write_dataset
 from training_core.data.demo_task import encode_word, generate_records
-from training_core.data.packing import IGNORE_INDEX, TokenizedExample, is_eval_prompt, pack_examples, tokenize_example
+from training_core.data.packing import IGNORE_INDEX, TokenizedExample, pack_examples, tokenize_example
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.config import TrainingConfig
 
-from .tokenizer_support import local_tokenizer
+from .tokenizer_support import is_eval_prompt, local_tokenizer
 
 
 def test_demo_records_are_a_pure_function_of_the_partition():

@@ -17,11 +17,11 @@ import pytest
 from training_core.base_model import load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, read_eval_records, write_dataset
 from training_core.data.demo_task import ALPHABET, generate_records
-from training_core.data.packing import IGNORE_INDEX, is_eval_prompt, pack_examples, tokenize_example
+from training_core.data.packing import IGNORE_INDEX, pack_examples, tokenize_example
 from training_core.data import quality
 from training_core.data.quality import DATASET_CHECK_NAMES, run_dataset_checks
 
-from .tokenizer_support import local_tokenizer
+from .tokenizer_support import is_eval_prompt, local_tokenizer
 
 
 def test_dataset_checks_pass_on_a_clean_dataset_in_the_declared_order(demo_dataset, demo_model):
@@ -92,7 +92,7 @@ def _naive_occurrences(rows: np.ndarray, sequences: set[tuple[int, ...]]) -> int
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), rows=st.integers(1, 9), width=st.integers(1, 12), vocab=st.integers(1, 4),
        use_start_token=st.booleans())
-def test_count_occurrences_equals_a_plain_scan(data, rows, width, vocab, use_start_token):
+def test_finding_sequences_equals_a_plain_scan(data, rows, width, vocab, use_start_token):
     """Small vocabularies make overlapping, repeated and 0-token windows common; tiny chunks cross
     chunk boundaries. Sequences are cut from the rows (hits) or drawn at random (mostly misses)."""
     table = np.array(data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=width, max_size=width),
@@ -105,13 +105,16 @@ def test_count_occurrences_equals_a_plain_scan(data, rows, width, vocab, use_sta
                                                    max_size=3))))
     start_token = data.draw(st.integers(0, vocab - 1)) if use_start_token else None
     # start_token only narrows where to look: a match starts with its sequence's first token anyway
-    counted = quality.count_occurrences(table, sequences, start_token=start_token, rows_per_chunk=2)
-    assert counted == _naive_occurrences(table, sequences)
+    found = quality.SequenceIndex(sequences, start_token).find(table, rows_per_chunk=2)
+    assert len(found) == _naive_occurrences(table, sequences)
+    assert all(sequence in sequences and any(tuple(table[row, i : i + len(sequence)].tolist()) == sequence
+                                             for i in range(width - len(sequence) + 1)) for row, sequence in found)
+    assert [row for row, _ in found] == sorted(row for row, _ in found)
 
 
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), rows=st.integers(1, 9), width=st.integers(1, 12), vocab=st.integers(1, 4))
-def test_count_occurrences_from_given_starts_equals_a_plain_scan_from_them(data, rows, width, vocab):
+def test_finding_sequences_from_given_starts_equals_a_plain_scan_from_them(data, rows, width, vocab):
     """Tiny chunks cut the starts with the rows; a window counts only where its start is marked."""
     table = np.array(data.draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=width, max_size=width),
                                         min_size=rows, max_size=rows)), dtype=np.int32)
@@ -121,7 +124,7 @@ def test_count_occurrences_from_given_starts_equals_a_plain_scan_from_them(data,
     sequences = {tuple(table[r, i : i + data.draw(st.integers(1, width - i))].tolist())}
     expected = sum(tuple(table[row, i : i + len(s)].tolist()) == s for row in range(rows) for s in sequences
                    for i in range(width - len(s) + 1) if starts[row, i])
-    assert quality.count_occurrences(table, sequences, rows_per_chunk=2, starts=starts) == expected
+    assert len(quality.SequenceIndex(sequences).find(table, rows_per_chunk=2, starts=starts)) == expected
 
 
 WITHOUT_BOS = {"own pad": {"eos_token": "</s>", "pad_token": "<pad>"}, "pad is eos": {"eos_token": "</s>"}}

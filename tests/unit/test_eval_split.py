@@ -10,11 +10,10 @@ import pytest
 
 from training_core.data.dataset_writer import DatasetSpec, read_eval_records, write_dataset
 from training_core.data.demo_task import generate_records
-from training_core.data.packing import is_eval_prompt
 from training_core.data.quality import run_dataset_checks
 from training_core.data.window import DatasetWindow
 
-from .tokenizer_support import local_tokenizer
+from .tokenizer_support import is_eval_prompt, local_tokenizer
 
 
 def test_a_window_of_days_split_with_different_eval_fractions_is_refused_naming_them(tmp_path):

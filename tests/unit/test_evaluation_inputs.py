@@ -15,7 +15,6 @@ from pipelines.definitions import defs
 from training_core.base_model import load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, write_dataset
 from training_core.data.demo_task import generate_records
-from training_core.data.packing import is_eval_prompt
 from training_core.errors import EmptyPartitionError
 from training_core.evaluate.compare import CHAMPION_UNRECORDED, EvaluationReport, evaluate_against_base
 from training_core.evaluate.model_folder import TrainedModelError, check_trained_model_dir
@@ -23,6 +22,8 @@ from training_core.errors import ConfigError
 from training_core.evaluate.on_ray import task_resources
 from training_core.evaluate.results import EvalMetrics
 from training_core.evaluate.settings import EvalSettings
+
+from .tokenizer_support import is_eval_prompt
 
 # --- gate settings -------------------------------------------------------------------------------
 

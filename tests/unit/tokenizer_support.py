@@ -17,3 +17,11 @@ def local_tokenizer(directory: Path, **special_tokens: str):
     backend = train_demo_tokenizer(tokenizer_corpus()).backend_tokenizer
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", **special_tokens).save_pretrained(directory)
     return load_tokenizer(str(directory))
+
+
+def is_eval_prompt(tokenizer, prompt: str, eval_fraction: float) -> bool:
+    """Whether the dataset writer holds ``prompt`` out: `is_eval_example` of its tokens, tokenized as
+    the writer tokenizes it."""
+    from training_core.data.packing import is_eval_example, tokenize_example
+
+    return is_eval_example(tokenize_example(tokenizer, prompt, "").prompt_ids, eval_fraction)

@@ -40,11 +40,6 @@ def is_eval_example(prompt_ids: Sequence[int], eval_fraction: float) -> bool:
     return bucket < eval_fraction * 10_000
 
 
-def is_eval_prompt(tokenizer, prompt: str, eval_fraction: float) -> bool:
-    """:func:`is_eval_example` for a prompt's text, tokenized as the dataset writer tokenizes it."""
-    return is_eval_example(tokenize_example(tokenizer, prompt, "").prompt_ids, eval_fraction)
-
-
 def tokenize_example(tokenizer, prompt: str, response: str) -> TokenizedExample:
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]

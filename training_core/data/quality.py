@@ -166,22 +166,15 @@ _HASH_BASE = np.uint64(1_000_003)
 _ROWS_PER_CHUNK = 4096  # bounds memory: a chunk's hashes are rows × width × 8 bytes
 
 
-def count_occurrences(rows: np.ndarray, sequences: set[tuple[int, ...]], start_token: int | None = None,
-                      rows_per_chunk: int = _ROWS_PER_CHUNK, starts: np.ndarray | None = None) -> int:
-    """How many times any of ``sequences`` occurs contiguously in a row of ``rows`` ([n, width]),
-    starting where ``starts`` (booleans shaped like ``rows``) is true, or anywhere without it.
+class SequenceIndex:
+    """The sequences hashed once by length, for finding them in many row groups.
 
     Polynomial hashes (mod 2**64) of the windows of each sequence length, computed with NumPy from
     per-row prefix hashes; windows whose hash matches are compared token by token, so a collision
     never counts. With ``start_token`` only windows starting at that token are looked at (every
-    sequence starts with it, else all windows are; either way the count is the same). For 20 000
+    sequence starts with it, else all windows are; either way the result is the same). For 20 000
     rows × 512 tokens and 200 held-out examples of 40 lengths: 0.6 s, where scanning every window
     in Python took ~125 s (3.9 s here without a start token)."""
-    return SequenceIndex(sequences, start_token).count(rows, rows_per_chunk, starts)
-
-
-class SequenceIndex:
-    """The sequences hashed once by length, for counting them in many row groups."""
 
     def __init__(self, sequences: set[tuple[int, ...]], start_token: int | None = None) -> None:
         self.sequences = {s for s in sequences if len(s) > 0}
@@ -194,13 +187,10 @@ class SequenceIndex:
                 value = (value * int(_HASH_BASE) + token + 1) % 2**64
             self.by_length.setdefault(len(sequence), {}).setdefault(value, []).append(sequence)
 
-    def count(self, rows: np.ndarray, rows_per_chunk: int = _ROWS_PER_CHUNK, starts: np.ndarray | None = None) -> int:
-        """Occurrences in ``rows`` ([n, width]), of windows starting where ``starts`` is true, if given."""
-        return len(self.find(rows, rows_per_chunk, starts))
-
     def find(self, rows: np.ndarray, rows_per_chunk: int = _ROWS_PER_CHUNK,
              starts: np.ndarray | None = None) -> list[tuple[int, tuple[int, ...]]]:
-        """Each occurrence, as (row index in ``rows``, the sequence), in row order."""
+        """Each occurrence in ``rows`` ([n, width]) of a window starting where ``starts`` (booleans
+        shaped like ``rows``) is true, or anywhere without it, as (row index, the sequence), in row order."""
         width = rows.shape[1] if rows.ndim == 2 else 0
         by_length = {length: wanted for length, wanted in self.by_length.items() if length <= width}
         if rows.size == 0 or not by_length:
