@@ -318,9 +318,10 @@ def test_bad_rows_found_mid_training_fail_once_instead_of_once_per_ray_retry(ray
     from training_core.errors import SourceDataError
     from training_core.train.repeatable_failures import RECORD_NAME
 
-    # Token lists of two lengths: only a worker reading the rows can tell (the preflight reads
-    # the Parquet metadata), so the error comes from inside Ray Train, which retries worker errors.
-    ragged = pa.array([[1] * 16, [2] * 13] * 32, pa.list_(pa.int32()))
+    # Token lists of two lengths, each ending in the demo's eos (2): only a worker reading the rows
+    # can tell (the preflight reads the Parquet metadata and each row's own widths), so the error comes
+    # from inside Ray Train, which retries worker errors.
+    ragged = pa.array([[1] * 15 + [2], [2] * 13] * 32, pa.list_(pa.int32()))
     (tmp_path / "data").mkdir()
     pq.write_table(pa.table({"input_ids": ragged, "labels": ragged}), tmp_path / "data" / "part-0.parquet")
     with pytest.raises(SourceDataError, match=r"column 'input_ids' has rows of different lengths") as failure:

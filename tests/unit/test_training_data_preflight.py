@@ -145,3 +145,53 @@ def test_schedules_that_rarely_mean_what_was_wanted_are_named_in_a_warning(value
         assert messages == []
     else:
         assert any(warning in message for message in messages), messages
+
+
+EOS = 2
+
+
+def test_rows_not_laid_out_as_packed_are_refused_naming_the_file_and_the_row(tmp_path):
+    # Another writer's rows, one example a row without eos: training would read the last trained
+    # token (21) as the row's eos and cut the response "20 21 20 22 21" after its first 21.
+    unpacked = ([1, 10, 11, 20, 21, 20, 22, 21, 0, 0], [-100, -100, -100, 20, 21, 20, 22, 21, -100, -100])
+    packed = ([1, 10, 20, 2, 1, 11, 21, 2, 2, 2], [-100, -100, 20, 2, -100, -100, 21, 2, -100, -100])  # pad == eos
+    prompt_only = ([1, 10, 11, 12, 0, 0, 0, 0, 0, 0], [-100] * 10)  # trains nothing: skipped
+    column = pa.list_(pa.int32())
+
+    def write(name: str, rows: list[tuple[list[int], list[int]]], folder: str = "d") -> None:
+        _write(tmp_path / folder, name, input_ids=pa.array([ids for ids, _ in rows], column),
+               labels=pa.array([labels for _, labels in rows], column))
+
+    write("part-0.parquet", [prompt_only] * 8, folder="untrained")
+    assert check_training_data([str(tmp_path / "untrained")], 4, 2, eos_token_ids={EOS}) == 8
+    write("part-0.parquet", [packed, prompt_only] * 4)
+    assert check_training_data([str(tmp_path / "d")], 4, 2, eos_token_ids={EOS}) == 8
+    write("part-1.parquet", [packed, prompt_only, packed, unpacked] + [packed] * 4)
+    with pytest.raises(SourceDataError, match=r"part-1\.parquet: row 3: its last trained token is 21, not the base "
+                                              r"model's eos \(2\); training needs rows laid out as Tessera packs them: "
+                                              r"examples back to back from the row start, each ending in an eos"):
+        check_training_data([str(tmp_path / "d")], 4, 2, eos_token_ids={EOS})
+    assert check_training_data([str(tmp_path / "d")], 4, 2, eos_token_ids={EOS, 21}) == 16  # a model with two eos
+
+
+def test_the_pipelines_own_dataset_passes_with_the_demo_models_eos(demo_model, demo_dataset):
+    from training_core.base_model import load_model_config, vocab_size
+    from training_core.train.data_preflight import base_model_eos_token_ids
+
+    config = load_model_config(demo_model.name_or_path)
+    eos_token_ids = base_model_eos_token_ids(demo_model.name_or_path, config)
+    assert eos_token_ids == {EOS}
+    assert check_training_data([str(demo_dataset.train_dir)], 4, 2, vocab_size(config), eos_token_ids) == \
+        demo_dataset.train_rows
+
+
+def test_the_base_models_eos_ids_are_read_from_its_config_and_generation_config(tmp_path):
+    from transformers import GenerationConfig, LlamaConfig
+
+    from training_core.base_model import load_model_config
+    from training_core.train.data_preflight import base_model_eos_token_ids
+
+    LlamaConfig(vocab_size=64, eos_token_id=2).save_pretrained(tmp_path)
+    assert base_model_eos_token_ids(str(tmp_path), load_model_config(str(tmp_path))) == {2}  # no tokenizer, no generation config
+    GenerationConfig(eos_token_id=[2, 7, 9]).save_pretrained(tmp_path)
+    assert base_model_eos_token_ids(str(tmp_path), load_model_config(str(tmp_path))) == {2, 7, 9}

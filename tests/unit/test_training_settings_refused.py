@@ -140,13 +140,14 @@ def test_a_module_to_save_that_peft_would_also_adapt_is_refused():
 
 
 def _tiny_training_dir(tmp_path):
-    """A folder the driver's data checks accept (token lists, enough rows for one micro batch)."""
+    """A folder the driver's data checks accept (token lists, enough rows for one micro batch, each row's
+    trained tokens ending in the demo tokenizer's eos, id 2)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     folder = tmp_path / "train"
     folder.mkdir()
-    tokens = pa.array([[1] * 8] * 16, type=pa.list_(pa.int32()))
+    tokens = pa.array([[1] * 7 + [2]] * 16, type=pa.list_(pa.int32()))
     pq.write_table(pa.table({"input_ids": tokens, "labels": tokens}), folder / "part-0.parquet")
     return folder
 

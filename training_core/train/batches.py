@@ -88,7 +88,7 @@ class EpochBatches:
         raise RuntimeError(f"epoch {self.epoch} of {self._inputs.train_dirs} yields no batch of {self._config.micro_batch_size} rows for rank {self._rank}")
 
     def _check_label_width(self, batch: dict) -> None:
-        # The preflight reads each file's first row only; a later row of another width would fail
+        # The preflight reads each file's first row group only; a later row of another width would fail
         # inside the model's loss naming no data.
         inputs, labels = batch["input_ids"].shape[1], batch["labels"].shape[1]
         if labels != inputs:

@@ -25,7 +25,7 @@ from training_core.train.checkpointing import (
     verify_checkpoint_files,
 )
 from training_core.train.config import TrainingConfig
-from training_core.train.data_preflight import check_training_data
+from training_core.train.data_preflight import base_model_eos_token_ids, check_training_data
 from training_core.train.model_setup import check_module_names_before_start
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.fault_injection import fault_step_for
@@ -144,7 +144,8 @@ def run_training(
     warn_about_schedule(config)
     # Before any worker starts.
     model_config = load_model_config(model_path)
-    rows = check_training_data(train_dirs, config.micro_batch_size, config.num_workers, vocab_size(model_config))
+    rows = check_training_data(train_dirs, config.micro_batch_size, config.num_workers, vocab_size(model_config),
+                               base_model_eos_token_ids(model_path, model_config))
     check_epochs_hold_an_optimizer_step(config, rows)
     check_context_length(model_path, seq_len, model_config)
     check_module_names_before_start(config, model_config)
