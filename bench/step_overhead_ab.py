@@ -3,12 +3,17 @@
 Each round starts one fresh Python process per variant, in turns, so that a slow minute of the
 shared machine hits all of them alike. Every variant trains the training benchmark's model and
 LoRA (``bench.training``: micro batch 4, seq 64, AdamW, one thread pinned to core 0) for 20 + 300
-steps and reports wall and step-thread CPU ms per step:
+steps and reports wall and step-thread CPU ms per step. Every step is the training loop's
+(training_core/train/loop.py): batches as ``EpochBatches.next()`` gives them (packed rows, each
+example with its own position ids), the attention inputs that keep examples apart built as each
+micro-batch goes to the model (``EpochBatches.model_inputs``), and the loss over the step's trained
+tokens (``num_items_in_batch``, from ``step_token_count``):
 
 - ``plain``: PyTorch + PEFT, no DeepSpeed;
-- ``deepspeed``: the same step through ``deepspeed.initialize`` with Tessera's ZeRO-2 config, one rank;
-- ``deepspeed_reader``: as ``deepspeed``, batches from the row-group reader (warm cache, one decode
-  thread, ``.long()`` tensors as the training loop makes them) instead of pre-decoded ones;
+- ``deepspeed``: the same step through ``deepspeed.initialize`` with Tessera's ZeRO-2 config, one rank,
+  ``engine.backward(..., scale_wrt_gas=False)`` as the loop calls it;
+- ``deepspeed_reader``: as ``deepspeed``, each batch read from the row-group reader by ``EpochBatches``
+  (warm cache, one decode thread) as the step needs it, instead of read before the timed steps;
 - ``deepspeed_ray_actor``: as ``deepspeed``, run inside a Ray actor (``num_cpus=1``) of a local Ray.
 
     .venv/bin/python -m bench.step_overhead_ab [--rounds 3] [--what plain deepspeed ...]
@@ -49,42 +54,36 @@ def _step_loop(variant: str) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 1000), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0", DS_ACCELERATOR="cpu")
     os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[0]])
+    from types import SimpleNamespace
+
     import torch
 
-    from bench.training import DATA_ROOT, LORA_R, MICRO_BATCH, prepare_inputs
-    from training_core.data import CacheConfig, RowGroupReader
-    from training_core.data.batch_columns import TRAINING_COLUMNS
-    from training_core.train.batches import DEFAULT_CACHE_SIZE_LIMIT_BYTES
+    from bench.training import DATA_ROOT, LORA_R, MICRO_BATCH, prepare_inputs, warm_row_group_cache
+    from training_core.train.batches import EpochBatches
     from training_core.train.config import TrainingConfig
+    from training_core.train.loss_weighting import loss_to_backpropagate, step_token_count
     from training_core.train.model_setup import apply_method, load_base_model
 
     torch.set_num_threads(1)
     inputs = prepare_inputs(DATA_ROOT)
+    warm_row_group_cache(inputs)
     config = TrainingConfig(num_workers=1, zero_stage=2, micro_batch_size=MICRO_BATCH, max_steps=10**6,
                             lora={"r": LORA_R})
     torch.manual_seed(config.seed)
     model = apply_method(load_base_model(config, inputs.model_dir), config)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
-    reader = RowGroupReader([inputs.train_dir], columns=TRAINING_COLUMNS, batch_size=MICRO_BATCH,
-                            seed=config.data_seed, shuffle_buffer_row_groups=config.shuffle_buffer_row_groups,
-                            workers=1, cache=CacheConfig(inputs.cache_dir, DEFAULT_CACHE_SIZE_LIMIT_BYTES),
-                            drop_last=True)
-    decoded = [{n: torch.from_numpy(b[n]).long() for n in TRAINING_COLUMNS} for b in reader]
-    batches = iter(())
-
-    def next_batch(step: int) -> dict:
-        nonlocal batches
-        if variant != "deepspeed_reader":
-            return decoded[step % len(decoded)]
-        batch = next(batches, None)
-        if batch is None:  # next epoch
-            batches = iter(reader)
-            batch = next(batches)
-        return {n: torch.from_numpy(batch[n]).long() for n in TRAINING_COLUMNS}
+    batches = EpochBatches(SimpleNamespace(train_dirs=[inputs.train_dir], cache_dir=inputs.cache_dir,
+                                           cache_size_limit_bytes=None, cache_policy="evict"),
+                           config, rank=0, world_size=1, epoch=0, state=None)
+    if variant == "deepspeed_reader":
+        next_batch = batches.next
+    else:  # read before the timed steps; each one's attention inputs are still built in its step
+        next_batch = iter([batches.next() for _ in range(WARMUP_STEPS + MEASURED_STEPS)]).__next__
 
     if variant == "plain":
         def step(batch: dict) -> None:
-            model(input_ids=batch["input_ids"], labels=batch["labels"]).loss.backward()
+            step_tokens = step_token_count([batch], world_size=1, device="cpu")
+            model(**batches.model_inputs(batch, "cpu"), num_items_in_batch=step_tokens).loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.gradient_clipping)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -101,17 +100,19 @@ def _step_loop(variant: str) -> dict:
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, dist_init_required=False,
                                                config=build_deepspeed_config(config, 1))
 
-        def step(batch: dict) -> None:
-            engine.backward(engine(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+        def step(batch: dict) -> None:  # gradient_accumulation_steps is 1: one micro-batch a step
+            step_tokens = step_token_count([batch], world_size=1, device=engine.device)
+            loss = engine(**batches.model_inputs(batch, engine.device), num_items_in_batch=step_tokens).loss
+            engine.backward(loss_to_backpropagate(loss, world_size=1), scale_wrt_gas=False)
             engine.step()
 
-    for index in range(WARMUP_STEPS):
-        step(next_batch(index))
+    for _ in range(WARMUP_STEPS):
+        step(next_batch())
     started, cpu_started = time.perf_counter(), time.thread_time()
-    for index in range(MEASURED_STEPS):
-        step(next_batch(WARMUP_STEPS + index))
+    for _ in range(MEASURED_STEPS):
+        step(next_batch())
     wall, cpu = time.perf_counter() - started, time.thread_time() - cpu_started
-    reader.close()
+    batches.close()
     return {"ms_per_step": 1e3 * wall / MEASURED_STEPS, "cpu_ms_per_step": 1e3 * cpu / MEASURED_STEPS}
 
 
