@@ -78,10 +78,12 @@ def installed_code_version(repo_root: Path = REPO_ROOT) -> str:
         raise ConfigError(f"{CODE_VERSION_ENV}={label!r}: a code version label is a git sha or tag (letters, "
                           "digits and . _ - + = : / @, at most 100 characters)")
     label = label or f"tessera=={installed_version('tessera')}"
-    return f"{label}+src-{_source_digest(repo_root)}"
+    return f"{label}+src-{source_digest(repo_root)}"
 
 
-def _source_digest(repo_root: Path) -> str:
+def source_digest(repo_root: Path = REPO_ROOT) -> str:
+    """A hash of the code as files: every Python file of Tessera's packages and pyproject.toml, by
+    content, however git sees them (committed, staged, untracked or no checkout at all)."""
     digest = hashlib.sha256()
     files = [repo_root / "pyproject.toml"] if (repo_root / "pyproject.toml").is_file() else []
     for package in CODE_PACKAGES:

@@ -40,14 +40,15 @@ def test_workers_refuse_other_code_than_recorded_after_sweeping_dead_workers_sta
 
     # What an older code location recorded; the workers run this checkout.
     running = CodeIdentity.of_this_process()
-    recorded = dataclasses.replace(running, code_version="0" * 40)
+    recorded = dataclasses.replace(running, code_version="0" * 40, source_digest="0" * 12)
     with pytest.raises(LineageError) as refused:
         run_training(TrainingConfig(num_workers=2, max_steps=4, checkpoint_every_steps=2), model_path=demo_model.name_or_path,
                      train_dirs=[str(demo_dataset.train_dir)], seq_len=demo_dataset.seq_len, cache_dir=None,
                      storage_path=tmp_path / "ray", run_name="other-code", output_dir=tmp_path / "models",
                      recorded_code=recorded, max_failures=0)
     message = str(refused.value)
-    assert f"code_version: {'0' * 40} (recorded) ≠ {running.code_version} (this worker)" in message
+    assert (f"code: {'0' * 40}, sources {'0' * 12} (recorded) ≠ {running.code_version}, sources "
+            f"{running.source_digest} (this worker)") in message
     assert "redeploy or restart it with the code location's image" in message
     assert "retries stopped before loading the model" in message
     run_folder = tmp_path / "ray" / "other-code"

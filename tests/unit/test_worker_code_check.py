@@ -18,33 +18,35 @@ from training_core.lineage import CODE_PACKAGES, REPO_ROOT, build_lineage_record
 from training_core.train.worker_code import CodeIdentity, refuse_other_code
 
 VERSIONS = {"version_torch": "2.5.1", "version_numpy": "2.1.0"}
-RECORDED = CodeIdentity("a" * 40, VERSIONS, "e" * 16)
+RECORDED = CodeIdentity("a" * 40, "1" * 12, VERSIONS, "e" * 16)
 
 
 def test_a_worker_running_the_recorded_code_trains():
-    refuse_other_code(RECORDED, rank=0, running=CodeIdentity("a" * 40, dict(VERSIONS), "e" * 16))
+    refuse_other_code(RECORDED, rank=0, running=CodeIdentity("a" * 40, "1" * 12, dict(VERSIONS), "e" * 16))
+    # the same files seen otherwise by git (staged or committed since, or an image without .git)
+    refuse_other_code(RECORDED, rank=0, running=CodeIdentity("abc123+src-111111111111", "1" * 12, VERSIONS, "e" * 16))
 
 
 def test_other_code_is_refused_naming_both_versions_and_the_fix():
-    running = CodeIdentity("b" * 40 + "-dirty-0123456789ab", VERSIONS, "e" * 16)
+    running = CodeIdentity("b" * 40 + "-dirty-0123456789ab", "2" * 12, VERSIONS, "e" * 16)
     with pytest.raises(LineageError) as refused:
         refuse_other_code(RECORDED, rank=1, running=running)
     message = str(refused.value)
     assert f"training rank 1 on {os.uname().nodename}" in message
-    assert f"code_version: {'a' * 40} (recorded) ≠ {'b' * 40}-dirty-0123456789ab (this worker)" in message
+    assert (f"code: {'a' * 40}, sources {'1' * 12} (recorded) ≠ {'b' * 40}-dirty-0123456789ab, sources {'2' * 12} "
+            "(this worker)") in message
     assert "redeploy or restart it with the code location's image" in message
-    assert "git checkout" not in message  # both are git versions: no hint about their forms
 
 
 def test_other_library_versions_are_refused_naming_each_package():
-    running = CodeIdentity("a" * 40, {"version_torch": "2.6.0", "version_numpy": "2.1.0", "version_peft": "0.13"},
-                           "f" * 16)
+    running = CodeIdentity("a" * 40, "1" * 12,
+                           {"version_torch": "2.6.0", "version_numpy": "2.1.0", "version_peft": "0.13"}, "f" * 16)
     with pytest.raises(LineageError) as refused:
         refuse_other_code(RECORDED, rank=0, running=running)
     message = str(refused.value)
     assert "version_torch: 2.5.1 (recorded) ≠ 2.6.0 (this worker)" in message
     assert "version_peft: not recorded (recorded) ≠ 0.13 (this worker)" in message
-    assert "version_numpy" not in message and "code_version:" not in message
+    assert "version_numpy" not in message and "code:" not in message
     assert f"environment_digest {'e' * 16} (recorded) vs {'f' * 16} (this worker)" in message
 
 
@@ -101,10 +103,31 @@ def test_workers_importing_other_sources_are_refused_and_one_image_everywhere_is
 
     refused = _worker_check(upgraded_image, recorded)
     assert refused.returncode != 0 and "LineageError" in refused.stderr
-    assert f"code_version: {recorded.code_version} (recorded) ≠ abc123+src-" in refused.stderr
+    assert f"code: {recorded.code_version}, sources {recorded.source_digest} (recorded) ≠ abc123+src-" in refused.stderr
     assert f"Tessera sources in {upgraded_image}" in refused.stderr
 
-    # A driver in a git checkout, a worker on sources without .git: refused, saying why.
-    from_checkout = CodeIdentity("a" * 40, recorded.package_versions, recorded.environment_digest)
-    refused = _worker_check(image, from_checkout)
-    assert refused.returncode != 0 and "One side reads Tessera from a git checkout" in refused.stderr
+    # A driver in a git checkout of the same code, a worker on sources without .git: the files decide.
+    from_checkout = CodeIdentity("a" * 40, recorded.source_digest, recorded.package_versions,
+                                 recorded.environment_digest)
+    assert _worker_check(image, from_checkout).returncode == 0
+
+
+def test_staging_or_committing_the_same_files_changes_no_worker_decision(tmp_path):
+    """A developer commits a new module while a run started from the dirty tree trains: the next
+    worker restart sees another code_version for the same files, and must not refuse them."""
+    checkout = _copy_sources(tmp_path / "checkout")
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    (checkout / "training_core" / "new_module.py").write_text("VALUE = 1\n")  # untracked
+    identity = ("import json; from training_core.train.worker_code import CodeIdentity; "
+                "print(json.dumps(CodeIdentity.of_this_process().as_dict()))")
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    started = CodeIdentity(**json.loads(subprocess.run([sys.executable, "-c", identity], env=env, cwd=checkout,
+                                                       capture_output=True, text=True, timeout=120,
+                                                       check=True).stdout))
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "the new module"], check=True)
+    checked = _worker_check(checkout, started)
+    assert "-dirty-" in started.code_version and checked.returncode == 0, checked.stderr

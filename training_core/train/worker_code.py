@@ -14,41 +14,45 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from training_core.errors import LineageError
-from training_core.lineage import REPO_ROOT, code_version, environment_digest, package_versions
-
-_INSTALLED_MARK = "+src-"  # in lineage.installed_code_version's form, never in a git sha's
+from training_core.lineage import REPO_ROOT, code_version, environment_digest, package_versions, source_digest
 
 
 @dataclass(frozen=True)
 class CodeIdentity:
-    """The code and tracked library versions one process runs, as the lineage records them."""
+    """The code and tracked library versions one process runs, as the lineage records them.
+    Compared by ``source_digest`` (the code files' content), not ``code_version``: git's view of the
+    same files changes as they are staged or committed (a developer committing while a dirty-tree
+    run trains would fail its next worker restart), and an image holds no .git."""
 
-    code_version: str
+    code_version: str  # named in messages
+    source_digest: str  # lineage.source_digest()
     package_versions: dict[str, str]  # lineage.package_versions(): {"version_torch": "2.5.1", ...}
     environment_digest: str
 
     @classmethod
     def of_this_process(cls) -> CodeIdentity:
         versions = package_versions()
-        return cls(code_version(), versions, environment_digest(versions))
+        return cls(code_version(), source_digest(), versions, environment_digest(versions))
 
     @classmethod
     def from_lineage(cls, lineage: Mapping[str, str]) -> CodeIdentity:
-        """What a lineage record (`lineage.build_lineage_record`) says the driver runs."""
+        """What a lineage record (`lineage.build_lineage_record`) says the driver runs, with the
+        driver's sources as they are now (the record was taken a moment ago)."""
         versions = {name: lineage[name] for name in package_versions() if name in lineage}
-        return cls(lineage["code_version"], versions, lineage["environment_digest"])
+        return cls(lineage["code_version"], source_digest(), versions, lineage["environment_digest"])
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def code_differences(recorded: CodeIdentity, running: CodeIdentity) -> list[str]:
-    """How the code a worker runs differs from the recorded ("code_version: a (recorded) ≠ b (this
-    worker)", one line per package version), [] when it does not. Compared by value, not by
-    environment_digest: the line names what differs."""
+    """How the code a worker runs differs from the recorded ("code: a, sources x (recorded) ≠ b,
+    sources y (this worker)", one line per package version), [] when it does not. Compared by value,
+    not by environment_digest: the line names what differs."""
     differences = []
-    if recorded.code_version != running.code_version:
-        differences.append(f"code_version: {recorded.code_version} (recorded) ≠ {running.code_version} (this worker)")
+    if recorded.source_digest != running.source_digest:
+        differences.append(f"code: {recorded.code_version}, sources {recorded.source_digest} (recorded) ≠ "
+                           f"{running.code_version}, sources {running.source_digest} (this worker)")
     was, now = recorded.package_versions, running.package_versions
     for name in sorted(was.keys() | now.keys()):
         if was.get(name) != now.get(name):
@@ -64,15 +68,11 @@ def refuse_other_code(recorded: CodeIdentity, rank: int, running: CodeIdentity |
     running = running or CodeIdentity.of_this_process()
     if not (differences := code_differences(recorded, running)):
         return
-    hint = ""
-    if (_INSTALLED_MARK in recorded.code_version) != (_INSTALLED_MARK in running.code_version):
-        hint = (" One side reads Tessera from a git checkout and the other from sources without .git, whose code "
-                "versions never match: run both from the same checkout, or both from the same image.")
     raise LineageError(
         f"training rank {rank} on {socket.gethostname()} (Tessera sources in {REPO_ROOT}) runs other code than the "
         f"driver recorded for this run: {'; '.join(differences)}; environment_digest {recorded.environment_digest} "
         f"(recorded) vs {running.environment_digest} (this worker). The Ray cluster runs other code than the Dagster "
         "code location that launched the run: redeploy or restart it with the code location's image (KubeRay: the "
         "image in raycluster.yaml; a `ray start` cluster: restart its nodes from the same checkout and environment), "
-        f"then relaunch.{hint}"
+        "then relaunch."
     )
