@@ -221,8 +221,9 @@ def _cpu_model() -> str:
 
 # A patch larger than this is not saved (a 16 MiB code change is generated files, not edits).
 LARGEST_CODE_PATCH = 16 * 2**20
-# What `git apply` needs, whatever the user's git config: binary hunks, no colour, no external diff tool.
-_PATCH_OPTIONS = ("--binary", "--no-color", "--no-ext-diff")
+# What `git apply` needs, whatever the user's git config: binary hunks, no colour, no external diff tool,
+# a/ and b/ prefixes (diff.noprefix drops them).
+_PATCH_OPTIONS = ("--binary", "--no-color", "--no-ext-diff", "--src-prefix=a/", "--dst-prefix=b/")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from training_core import lineage as lineage_module
 from training_core.tracking import MlflowTracking
 
@@ -104,7 +106,12 @@ def _logged_artifacts(tracking: MlflowTracking, repo: Path, destination: Path) -
     return Path(tracking.client.download_artifacts(run_id, "", str(destination)))
 
 
-def test_uncommitted_code_is_logged_as_a_patch_that_restores_it_on_its_commit(tmp_path: Path):
+@pytest.mark.parametrize("noprefix", [False, True], ids=["git defaults", "diff.noprefix set"])
+def test_uncommitted_code_is_logged_as_a_patch_that_restores_it_on_its_commit(tmp_path: Path, monkeypatch, noprefix):
+    if noprefix:  # a common personal setting: without a/ b/ prefixes the patch would apply to nothing
+        monkeypatch.setenv("GIT_CONFIG_COUNT", "1")
+        monkeypatch.setenv("GIT_CONFIG_KEY_0", "diff.noprefix")
+        monkeypatch.setenv("GIT_CONFIG_VALUE_0", "true")
     repo = tmp_path / "repo"
     sha = _committed_repo(repo)
     tracking = _tracking(tmp_path)
