@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from .footer_statistics import is_integer_list  # noqa: F401 - re-exported (the training data preflight uses it)
 from .footer_statistics import range_leaves, row_group_statistics, top_level_columns
+from .local_folders import is_hidden_or_underscore, is_link_to_nothing, link_to_nothing, walk_local_files
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,10 +112,7 @@ def _resolve_one(source: str | os.PathLike, filesystem: Any | None) -> tuple[paf
 
 
 def _is_side_file(relative: str) -> bool:
-    parts = PurePosixPath(relative).parts
-    if any(part.startswith((".", "_")) for part in parts):
-        return True
-    return parts[-1].lower().endswith(SIDE_FILE_SUFFIXES)
+    return is_hidden_or_underscore(relative) or PurePosixPath(relative).name.lower().endswith(SIDE_FILE_SUFFIXES)
 
 
 def _has_parquet_magic(fs: pafs.FileSystem, path: str) -> bool:
@@ -145,7 +143,7 @@ def list_parquet_files(
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
             if isinstance(fs, pafs.LocalFileSystem) and os.path.islink(path):
-                raise SourceError(_link_to_nothing(str(item), path))
+                raise SourceError(link_to_nothing(str(item), path))
             raise SourceError(f"{item}: no such file or directory")
         if info.type == pafs.FileType.File:
             found[info.path] = info
@@ -174,37 +172,19 @@ def list_parquet_files(
 
 
 def _local_files_below(root: str) -> list[str]:
-    """Every file below the local folder ``root``, links followed (side folders left out). A folder
-    whose real path was walked already (a link to an ancestor, or a second link to one folder) is
-    walked once: pyarrow's listing walks a loop until the OS refuses the path, and reads each file
-    as often. A link whose target is gone is refused: pyarrow's listing leaves it out, and the file it
-    stood for would go unread without a word."""
-    files, dangling, walked = [], [], set()
+    """Every file below the local folder ``root`` (local_folders.walk_local_files: links followed,
+    each real folder once, where pyarrow's listing walks a loop until the OS refuses the path and
+    reads each file as often). A link whose target is gone is refused: pyarrow's listing leaves it
+    out, and the file it stood for would go unread without a word."""
 
-    def refuse(error: OSError) -> None:  # os.walk would skip an unlistable folder without a word
-        raise SourceError(f"{error.filename}: cannot be listed ({error.strerror or error})") from error
+    def refuse(error: OSError) -> SourceError:
+        return SourceError(f"{error.filename}: cannot be listed ({error.strerror or error})")
 
-    for folder, subfolders, names in os.walk(root, onerror=refuse, followlinks=True):
-        real = os.path.realpath(folder)
-        if real in walked:
-            logger.info("source %s: %s is a link to %s, which is read already", root, folder, real)
-            subfolders.clear()
-            continue
-        walked.add(real)
-        subfolders[:] = sorted(name for name in subfolders if not name.startswith((".", "_")))  # first link wins
-        for name in names:
-            file = os.path.join(folder, name)
-            if _is_side_file(os.path.relpath(file, root)):
-                continue
-            (dangling if os.path.islink(file) and not os.path.exists(file) else files).append(file)
-    if dangling:
-        raise SourceError("; ".join(_link_to_nothing(link, link) for link in sorted(dangling)))
+    files = [os.path.join(root, relative) for relative in walk_local_files(root, refuse)
+             if not _is_side_file(relative)]
+    if dangling := sorted(file for file in files if is_link_to_nothing(file)):
+        raise SourceError("; ".join(link_to_nothing(link, link) for link in dangling))
     return files
-
-
-def _link_to_nothing(shown: str, link: str) -> str:
-    return (f"{shown}: a link to {os.readlink(link)}, which leads to no file (its target is gone, or links "
-            "loop); restore the target or remove the link")
 
 
 def read_footer(fs: pafs.FileSystem, info: pafs.FileInfo, max_attempts: int = 3,

@@ -21,7 +21,6 @@ import csv
 import gzip
 import io
 import json
-import logging
 import os
 import threading
 import zlib
@@ -36,9 +35,14 @@ from fsspec.implementations.local import LocalFileSystem
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from training_core.data.local_folders import (
+    is_hidden_or_underscore,
+    is_link_to_nothing,
+    link_to_nothing,
+    walk_local_files,
+)
 from training_core.errors import SourceDataError
 
-logger = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("prompt", "response")
 ORIGINS_FILE = ".origins.json"  # beside a frozen copy of records: hidden, outside its digest
@@ -77,37 +81,9 @@ class SourceFile:
         return "jsonl" if suffix == ".ndjson" else suffix[1:]
 
 
-def _is_skipped(relative: str) -> bool:
-    # Hidden and underscore names anywhere below the source root are not data: a writer's staging
-    # folder (.staging-*, Spark's _temporary/) may hold partial files; _SUCCESS and .crc are markers.
-    return any(part.startswith((".", "_")) for part in PurePosixPath(relative).parts)
-
-
 def _cause(error: Exception) -> str:
     # An OSError says what it is ("[Errno 13] Permission denied"); a store's own types may not.
     return str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
-
-
-def _walk_local(root: Path) -> Iterator[str]:
-    """Paths relative to `root` of every entry below it that is not a folder, hidden and underscore
-    names left out, links followed. A folder whose real path was walked already (a link to an
-    ancestor, or a second link to one folder) is walked once: a loop would never end, and a folder
-    read twice would repeat its records."""
-    walked: set[str] = set()
-
-    def refuse(error: OSError) -> None:  # os.walk would skip an unlistable folder without a word
-        raise SourceDataError(f"{error.filename}: cannot be listed ({_cause(error)})") from error
-
-    for folder, subfolders, names in os.walk(root, onerror=refuse, followlinks=True):
-        real = os.path.realpath(folder)
-        if real in walked:
-            logger.info("source %s: %s is a link to %s, which is read already", root, folder, real)
-            subfolders.clear()
-            continue
-        walked.add(real)
-        subfolders[:] = sorted(name for name in subfolders if not _is_skipped(name))  # sorted: first link wins
-        relative_folder = PurePosixPath(Path(folder).relative_to(root).as_posix())
-        yield from ((relative_folder / name).as_posix() for name in names if not _is_skipped(name))
 
 
 def _list_local(path: Path, shown_as: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
@@ -119,13 +95,16 @@ def _list_local(path: Path, shown_as: str) -> tuple[bool, list[tuple[str, Source
     if path.is_file():
         return False, [(path.name, SourceFile(shown_as, str(path), local))]
     found = []
-    for relative in sorted(_walk_local(path), key=lambda r: PurePosixPath(r).parts):
+    def refuse(error: OSError) -> SourceDataError:
+        return SourceDataError(f"{error.filename}: cannot be listed ({_cause(error)})")
+
+    for relative in sorted(walk_local_files(path, refuse), key=lambda r: PurePosixPath(r).parts):
         file = path / relative
         shown = f"{shown_as.rstrip('/')}/{relative}"
-        if not file.is_file():  # a link to nothing would leave out the file it stood for
-            what = (f"a link to {os.readlink(file)}, which leads to no file (its target is gone, or links "
-                    "loop); restore the target or remove the link") if file.is_symlink() else "not a regular file"
-            raise SourceDataError(f"{shown}: {what}")
+        if is_link_to_nothing(file):
+            raise SourceDataError(link_to_nothing(shown, file))
+        if not file.is_file():
+            raise SourceDataError(f"{shown}: not a regular file")
         found.append((relative, SourceFile(shown, str(file), local)))
     return True, found
 
@@ -151,7 +130,7 @@ def _list_uri(uri: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
     base = root.rstrip("/") + "/"
     relative = sorted((p[len(base):] for p in found if p.startswith(base) and len(p) > len(base)),
                       key=lambda r: PurePosixPath(r).parts)  # parts, as local Paths sort
-    return True, [(r, SourceFile(f"{uri.rstrip('/')}/{r}", base + r, fs)) for r in relative if not _is_skipped(r)]
+    return True, [(r, SourceFile(f"{uri.rstrip('/')}/{r}", base + r, fs)) for r in relative if not is_hidden_or_underscore(r)]
 
 
 def list_source_files(source: str | Path) -> list[SourceFile]:
