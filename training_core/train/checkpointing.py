@@ -306,6 +306,36 @@ def _drop_from_manifests(directory: Path, prefix: str) -> None:
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's list of a run's registered checkpoints
 
 
+@dataclass(frozen=True)
+class RayCheckpointList:
+    """What Ray Train's checkpoint list (RAY_SNAPSHOT) says of a run: checkpoint folder names."""
+
+    ray_version: str | None
+    registered: list[str]  # checkpoint_results
+    latest: str | None  # latest_checkpoint_result: what Ray hands the workers on a relaunch
+    pending: list[str]  # pending_training_results
+
+    @property
+    def named(self) -> set[str]:
+        return {*self.registered, *self.pending, *([self.latest] if self.latest else [])}
+
+
+def read_ray_checkpoint_list(run_directory: Path) -> RayCheckpointList:
+    """Raises ValueError (its cause chained) when the list is missing, unreadable or not shaped as
+    Ray 2.60 writes it."""
+    try:
+        state = json.loads((run_directory / RAY_SNAPSHOT).read_text())
+        latest = state.get("latest_checkpoint_result")
+        return RayCheckpointList(
+            ray_version=state.get("ray_version"),
+            registered=[result["checkpoint_dir_name"] for result in state.get("checkpoint_results", [])],
+            latest=latest["checkpoint_dir_name"] if latest else None,
+            pending=[result["checkpoint_dir_name"] for result in state.get("pending_training_results", []) if result],
+        )
+    except (OSError, ValueError, AttributeError, TypeError, KeyError) as error:
+        raise ValueError(f"{error.__class__.__name__}: {error}") from error
+
+
 def set_aside_unusable_ray_snapshot(run_directory: Path, ray_version: str) -> str | None:
     """Move Ray's checkpoint list out of the way when Ray could not resume from it, and say why.
 
@@ -317,11 +347,10 @@ def set_aside_unusable_ray_snapshot(run_directory: Path, ray_version: str) -> st
     if not snapshot.is_file():
         return None
     try:
-        state = json.loads(snapshot.read_text())
-        recorded_version = state.get("ray_version")
-        names = [result["checkpoint_dir_name"] for result in state.get("checkpoint_results", [])]
-    except (OSError, ValueError, AttributeError, TypeError, KeyError) as error:
-        reason = f"unreadable ({error.__class__.__name__}: {error})"
+        listed = read_ray_checkpoint_list(run_directory)
+        recorded_version, names = listed.ray_version, listed.registered
+    except ValueError as error:
+        reason = f"unreadable ({error})"
     else:
         damaged = {name: verify_checkpoint_files(run_directory / name, check_digests=False)
                    for name in names if (run_directory / name).is_dir()}
@@ -351,11 +380,8 @@ def remove_checkpoints_ray_does_not_keep(run_directory: Path, final_checkpoint: 
     has finished. Only folders holding a file of ours (progress.json, a manifest, a worker-<rank>.pt)
     are removed; nothing is when the list is unreadable or lacks `final_checkpoint`."""
     try:
-        state = json.loads((run_directory / RAY_SNAPSHOT).read_text())
-        results = [*state["checkpoint_results"], state.get("latest_checkpoint_result"),
-                   *state.get("pending_training_results", [])]
-        listed = {result["checkpoint_dir_name"] for result in results if result}
-    except (OSError, ValueError, AttributeError, TypeError, KeyError) as error:
+        listed = read_ray_checkpoint_list(run_directory).named
+    except ValueError as error:
         log.warning("not removing checkpoints Ray does not list: its list %s is unreadable (%s)",
                     run_directory / RAY_SNAPSHOT, error)
         return []
@@ -389,10 +415,9 @@ def checkpoint_a_relaunch_resumes_from(run_directory: Path) -> Path | None:
     no list, or none in it, they take the newest complete one on disk (`find_latest_checkpoint`).
     Call it after `set_aside_unusable_ray_snapshot`, which moves away a list Ray would not use."""
     try:
-        latest = json.loads((run_directory / RAY_SNAPSHOT).read_text()).get("latest_checkpoint_result")
-        if latest:
-            return run_directory / latest["checkpoint_dir_name"]
-    except (OSError, ValueError, AttributeError, TypeError, KeyError):
+        if latest := read_ray_checkpoint_list(run_directory).latest:
+            return run_directory / latest
+    except ValueError:
         pass  # no usable list: Ray hands the workers no checkpoint
     return find_latest_checkpoint(run_directory)
 
