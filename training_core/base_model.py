@@ -110,6 +110,15 @@ def hub_revision_of_snapshot(path: str | Path) -> HubRevision | None:
     return HubRevision(repo_folder.removeprefix("models--").replace("--", "/"), path.name)
 
 
+def pinned_snapshot(hub: HubRevision, recorded_folder: Path) -> Path:
+    """The snapshot folder of ``hub``'s commit that a run trained on: the recorded one if it is still
+    there, else fetched again (from the Hugging Face cache, or the hub unless HF_HUB_OFFLINE).
+    Raises OSError or ValueError when it cannot be had (not cached offline, gone from the hub)."""
+    if recorded_folder.is_dir() and recorded_folder.name == hub.commit:
+        return recorded_folder
+    return hub_snapshot(hub.repo_id, hub.commit)
+
+
 def hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     """The local snapshot folder of a hub model at ``revision`` (a branch, tag or commit sha; None: the
     default branch), with what from_pretrained loads downloaded into the Hugging Face cache unless it is

@@ -13,7 +13,7 @@ from training_core.data import cache_version
 from training_core.data.batch_columns import TRAINING_COLUMNS
 from training_core.data.batch_columns import TRAINING_TRANSFORM_VERSION as TRANSFORM_VERSION
 from training_core.data.window import window_digest
-from training_core.base_model import HubRevision, base_model_changes, hub_branch_commit, hub_snapshot
+from training_core.base_model import HubRevision, base_model_changes, hub_branch_commit, pinned_snapshot
 from training_core.errors import ConfigError, LineageError
 from training_core.evaluate.settings import EvalSettings
 from training_core.lineage import code_version, installed_version, parse_dataset_paths
@@ -109,17 +109,14 @@ def _fields_not_in(parsed: dict, recorded: dict) -> list[tuple[str, object]]:
 
 
 def _pinned_hub_snapshot(run_id: str, hub: HubRevision, recorded_folder: Path) -> Path:
-    """The snapshot folder of the hub commit the run trained on: the recorded one if it is still
-    there, else fetched again (from the Hugging Face cache, or the hub unless HF_HUB_OFFLINE)."""
+    """`base_model.pinned_snapshot`, refusing a run recorded without its commit and naming the run."""
     if hub.commit is None:
         raise LineageError(
             f"run {run_id}: its base model {hub.repo_id} is a hub model recorded without its revision (by a "
             f"Tessera that did not pin hub revisions; {_now_at(hub.repo_id)}), so which weights it trained on is "
             "unknown; rematerialize base_model, training_dataset and lora_adapter for a run that can be reproduced")
-    if recorded_folder.is_dir() and recorded_folder.name == hub.commit:
-        return recorded_folder
     try:
-        return hub_snapshot(hub.repo_id, hub.commit)
+        return pinned_snapshot(hub, recorded_folder)
     except (OSError, ValueError) as error:
         raise LineageError(
             f"run {run_id}: base model {hub.repo_id} at its recorded revision {hub.commit} cannot be had "

@@ -208,7 +208,7 @@ class ModelRegistry:
         that does not answer) propagate: they say nothing about the version."""
         from mlflow.exceptions import MlflowException
 
-        from training_core.base_model import HubRevision, hub_snapshot
+        from training_core.base_model import HubRevision, pinned_snapshot
 
         try:
             run = self.client.get_run(version.run_id)
@@ -223,10 +223,10 @@ class ModelRegistry:
             raise LineageError(f"{self._describe(version)}: its run records no 'base_model' param, so its base "
                                "model is unknown")
         hub = HubRevision.from_digest(run.data.params.get("base_model_digest", ""))
-        if hub is None or hub.commit is None or Path(base_model).is_dir():
+        if hub is None or hub.commit is None:
             return base_model
         try:
-            return str(hub_snapshot(hub.repo_id, hub.commit))
+            return str(pinned_snapshot(hub, Path(base_model)))
         except (OSError, ValueError) as error:  # not cached offline, gone from the hub, no network
             raise LineageError(
                 f"{self._describe(version)}: its base model {hub.repo_id} at commit {hub.commit} cannot be loaded: "
