@@ -21,11 +21,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from training_core.data.batch_columns import TRAINING_COLUMNS
+from training_core.data.packing import IGNORE_INDEX
 from training_core.data.parquet_files import is_integer_list, list_parquet_files, read_footer, retry_storage_errors
 from training_core.errors import SourceDataError
 
 
-IGNORED_LABEL = -100  # labels of padding and prompt tokens: no loss
 
 
 def base_model_eos_token_ids(model_path: str, model_config) -> frozenset[int]:
@@ -84,7 +84,7 @@ def check_training_data(train_dirs: Sequence[str], micro_batch_size: int, num_wo
 def _check_token_ids(parquet_file, vocab_size: int) -> None:
     for index, ranges in enumerate(parquet_file.value_ranges):  # row groups without statistics: unchecked
         for name, low, high in ranges:
-            lowest_allowed = IGNORED_LABEL if name == "labels" else 0
+            lowest_allowed = IGNORE_INDEX if name == "labels" else 0
             if name in TRAINING_COLUMNS and (high >= vocab_size or (low < 0 and low != lowest_allowed)):
                 raise SourceDataError(
                     f"{parquet_file.path}: row group {index}: column {name!r} holds token ids {low}..{high}, outside the "
@@ -121,7 +121,7 @@ def _check_first_row_group(filesystem: pafs.FileSystem, info: pafs.FileInfo, eos
         raise SourceDataError(
             f"{info.path}: row {complete[row]} holds {id_widths[row]} input_ids but {label_widths[row]} labels; "
             f"training needs one label per input token (the model shifts labels itself: store them unshifted, "
-            f"{IGNORED_LABEL} where no loss)")
+            f"{IGNORE_INDEX} where no loss)")
     if eos_token_ids:
         _check_rows_end_in_eos(info.path, input_ids, labels, complete, eos_token_ids)
 
@@ -131,7 +131,7 @@ def _check_rows_end_in_eos(path: str, input_ids: pa.Array, labels: pa.Array, row
     """Each row's last trained token is an eos (rows that train nothing are skipped). ``input_ids``
     and ``labels``: list arrays of equal row widths; ``row_numbers``: each row's number in the file."""
     flat_ids, flat_labels = (pc.list_flatten(column).to_numpy() for column in (input_ids, labels))
-    trained = np.flatnonzero(flat_labels != IGNORED_LABEL)
+    trained = np.flatnonzero(flat_labels != IGNORE_INDEX)
     if not trained.size:
         return
     row_of_trained = pc.list_parent_indices(labels).to_numpy()[trained]
@@ -143,5 +143,5 @@ def _check_rows_end_in_eos(path: str, input_ids: pa.Array, labels: pa.Array, row
             f"{path}: row {row_numbers[row]}: its last trained token is {token}, not the base model's eos "
             f"({', '.join(map(str, sorted(eos_token_ids)))}); training needs rows laid out as Tessera packs them: "
             f"examples back to back from the row start, each ending in an eos whose label is trained (not "
-            f"{IGNORED_LABEL}), padding after the last one. Write the data with training_core.data.dataset_writer, "
+            f"{IGNORE_INDEX}), padding after the last one. Write the data with training_core.data.dataset_writer, "
             "or end each example's tokens and labels with the base model's eos")
