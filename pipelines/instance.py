@@ -30,9 +30,9 @@ concurrency:
 
 def resolve_home(home: str | None = None) -> Path:
     """The state root a command was given (``--home``), else $TESSERA_HOME or .tessera/; creates nothing."""
-    from resources.paths import default_home
+    from resources.paths import state_root
 
-    return Path(home).expanduser().resolve() if home else default_home()
+    return state_root(home)
 
 
 def prepare_home(home: str | None = None) -> Path:

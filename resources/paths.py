@@ -15,8 +15,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RAY_STORAGE_ENV = "TESSERA_RAY_STORAGE"  # storage.ray_storage_uri on Kubernetes (ConfigMap tessera-config)
 
 
-def default_home() -> Path:
-    return Path(os.environ.get("TESSERA_HOME") or REPO_ROOT / ".tessera").expanduser().resolve()
+# SQLite URLs, MLflow's store and Dagster's storage alike, read "?" as the start of a query and "%XX"
+# as an escaped character: a state folder whose path holds either put those databases at another
+# path, outside the folder (or failed to open them, naming no path).
+_URL_SPECIAL = ("?", "%")
+
+
+def state_root(home: str | None) -> Path:
+    """The state root: ``home`` (storage.home, ``--home``), else $TESSERA_HOME, else .tessera/ in the
+    repo, as an absolute path; creates nothing."""
+    root = Path(home or os.environ.get("TESSERA_HOME") or REPO_ROOT / ".tessera").expanduser().resolve()
+    if special := [character for character in _URL_SPECIAL if character in str(root)]:
+        raise ConfigError(
+            f"state folder {root} (storage.home / TESSERA_HOME / --home): its path holds {' and '.join(map(repr, special))}, "
+            "which the SQLite URLs of MLflow's store and Dagster's storage would misread (a database written "
+            "outside the folder); choose a path without them")
+    return root
 
 
 class TesseraStorage(dg.ConfigurableResource):
@@ -49,7 +63,7 @@ class TesseraStorage(dg.ConfigurableResource):
 
     @property
     def root(self) -> Path:
-        return Path(self.home).expanduser().resolve() if self.home else default_home()
+        return state_root(self.home)
 
     def folder(self, name: str) -> Path:
         path = self.root / name

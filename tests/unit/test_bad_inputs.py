@@ -306,12 +306,12 @@ def test_an_mlflow_server_uri_where_nothing_listens_fails_at_once_not_after_minu
 def test_a_home_folder_given_with_a_tilde_is_the_users_home(monkeypatch, tmp_path):
     from pathlib import Path
 
-    from resources.paths import default_home
+    from resources.paths import state_root
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("TESSERA_HOME", "~/tessera-state")
-    assert default_home() == (tmp_path / "tessera-state").resolve()
-    assert Path(default_home()).is_absolute()
+    assert state_root(None) == (tmp_path / "tessera-state").resolve()
+    assert Path(state_root(None)).is_absolute()
 
 
 def test_training_rows_longer_than_the_models_positions_are_refused_before_workers_start(demo_model, tmp_path):

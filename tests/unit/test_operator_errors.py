@@ -177,6 +177,24 @@ def test_mlflow_tracker_with_a_state_folder_that_is_a_file_gives_the_storage_con
         local_resources()["mlflow_tracker"].client()
 
 
+@pytest.mark.parametrize("name", ["runs?v2", "team%41"])
+def test_a_state_folder_whose_path_a_sqlite_url_would_misread_is_refused_before_anything_is_written(
+        tmp_path, monkeypatch, name):
+    # sqlite:///…/runs?v2/mlflow.db opened …/runs (outside the folder); …/team%41/… opened …/teamA/…
+    from pipelines.resources_local import local_resources
+
+    home = tmp_path / name
+    monkeypatch.setenv("TESSERA_HOME", str(home))
+    special = "'?'" if "?" in name else "'%'"
+    with pytest.raises(ConfigError, match=re.escape(f"state folder {home} (storage.home / TESSERA_HOME / --home): "
+                                                    f"its path holds {special}")):
+        local_resources()["mlflow_tracker"].client()
+    done = subprocess.run([sys.executable, "-m", "pipelines.instance", str(home)], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 2 and f"state folder {home} (storage.home" in done.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == []  # no database beside it, no folder
+
+
 # --- the Dagster instance -----------------------------------------------------------------------
 
 
