@@ -14,8 +14,7 @@ from training_core.data.dataset_writer import DatasetSpec, PublishedDataset, wri
 from training_core.data.demo_task import MAX_RECORDS_PER_PARTITION, generate_records
 from training_core.data.frozen_records import freeze_records
 from training_core.data.quality import DATASET_CHECK_NAMES, MAX_REPEATED_RECORDS, run_dataset_checks
-from training_core.data.sources import read_records, read_records_with_origins
-from training_core.errors import EmptyPartitionError
+from training_core.data.sources import RecordOrigins, iter_records
 
 
 @dataclass(frozen=True)
@@ -53,15 +52,15 @@ def raw_examples(context: dg.AssetExecutionContext, config: RawExamplesConfig, s
     if config.source == "demo":
         records = generate_records(day, config.records_per_partition, config.seed)
     else:
-        records, origins = read_records_with_origins(source)
-    if not records:
-        raise EmptyPartitionError(f"partition {day}: source {source} has no records")
-    frozen = freeze_records(records, origins, storage.folder("datasets") / "raw" / day)
-    context.log.info("partition %s: %d records from %s", day, len(records), source)
+        origins = RecordOrigins()
+        records = iter_records(source, origins)  # read as written: memory holds a record, not the day
+    frozen = freeze_records(records, origins, storage.folder("datasets") / "raw" / day,
+                            source_label=f"partition {day}: source {source}")
+    context.log.info("partition %s: %d records from %s", day, frozen.records, source)
     return dg.Output(
-        RawPartition(path=str(frozen.path), records=len(records), digest=frozen.digest),
+        RawPartition(path=str(frozen.path), records=frozen.records, digest=frozen.digest),
         # not `path`: the IO manager records the path of its pickle under that key
-        metadata={"records": len(records), "digest": frozen.digest,
+        metadata={"records": frozen.records, "digest": frozen.digest,
                   "dataset_path": dg.MetadataValue.path(str(frozen.folder))},
         data_version=dg.DataVersion(frozen.digest),
     )
@@ -100,11 +99,11 @@ def training_dataset(
     """Tokenized (base model's tokenizer), packed Parquet plus a held-out eval split, published
     atomically under datasets/training/<day>/<digest>. The content digest is the data version."""
     refuse_invalid_run_config(context)
-    records = read_records(raw_examples.path)
     spec = DatasetSpec(**config.model_dump(exclude={"max_repeated_records"}))
     tokenizer = load_tokenizer(base_model.name_or_path)
+    # The frozen records are read twice, each time as they come: memory holds a batch, not the day.
     dataset: PublishedDataset = write_dataset(
-        records,
+        iter_records(raw_examples.path),
         tokenizer,
         storage.folder("datasets") / "training" / context.partition_key,
         spec,
@@ -112,8 +111,8 @@ def training_dataset(
         records_path=raw_examples.path,
         extra_manifest={"raw_digest": raw_examples.digest, "tokenizer": base_model.digest},
     )
-    outcomes = run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, records, raw_examples.path,
-                                  config.max_repeated_records)
+    outcomes = run_dataset_checks(dataset.path, dataset.seq_len, tokenizer, iter_records(raw_examples.path),
+                                  raw_examples.path, config.max_repeated_records)
     # Stored with the value: a consumer launched later on its own (row_group_cache, a training
     # window that includes this day) is not stopped by blocking checks, so it reads them here.
     dataset = replace(dataset, failed_checks=tuple(o.name for o in outcomes if not o.passed))

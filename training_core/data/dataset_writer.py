@@ -9,7 +9,10 @@ Layout of a published dataset (directory name = content digest, so it is immutab
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -103,7 +106,7 @@ def _fixed_list(array: np.ndarray) -> pa.Array:
 
 
 def write_dataset(
-    records: list[dict[str, str]],
+    records: Iterable[dict[str, str]],
     tokenizer,
     output_root: Path,
     spec: DatasetSpec,
@@ -116,43 +119,48 @@ def write_dataset(
     when the records are one JSON Lines file in order (the frozen `raw_examples`), lets an error
     name a record's line there.
 
-    Streams: records are tokenized in batches, packed as they come and written a file at a time,
-    so memory holds one file of rows, not the tokens of the whole day. The bytes are those of
-    packing everything first (same rows, same files, same row groups), so digests do not change."""
-    if not records:
+    Streams: `records` (a list, or a one-pass iterator such as `sources.iter_records`) are tokenized
+    in batches, packed as they come and written a file at a time, so memory holds one batch of
+    records and one file of rows, not the day. The bytes are those of packing everything first
+    (same rows, same files, same row groups), so digests do not change."""
+    records = iter(records)
+    first = next(records, None)
+    if first is None:
         raise EmptyPartitionError(f"{source_label}: no records to write")
     require_layout_tokens(tokenizer)
 
-    def describe(index: int) -> str:  # a record as the user can find it (called only for an error)
+    def describe(index: int, record: dict[str, str]) -> str:  # as the user can find it (only for an error)
         locations = RecordLocations(records_path)
         where = locations.frozen(index)
         if users := locations.users(index):
             where += f", from {users}"
-        return f"{source_label}: {where} (prompt {records[index]['prompt'][:40]!r})"
+        return f"{source_label}: {where} (prompt {record['prompt'][:40]!r})"
 
     packer = RowPacker(spec.seq_len, tokenizer.pad_token_id)
     special_tokens = SpecialTokensInText(tokenizer)
     eval_records: list[dict[str, str]] = []
-    eval_count = train_examples = tokens = 0
+    eval_count = train_examples = tokens = record_count = 0
+    batches = batched(itertools.chain([first], records), _TOKENIZE_BATCH)
     with staging_directory(output_root) as staging:
         train_dir = staging / "train"
         train_dir.mkdir()
         files = _TrainFiles(train_dir, spec)
-        for start in range(0, len(records), _TOKENIZE_BATCH):
-            batch = records[start : start + _TOKENIZE_BATCH]
+        for batch in batches:
+            start, record_count = record_count, record_count + len(batch)
             # Eval records are checked like train ones, in record order, with the same messages: one
             # longer than seq_len would crash evaluation after training (positions beyond the model's),
             # one holding special tokens could never match.
             examples = tokenize_examples(tokenizer, [r["prompt"] for r in batch], [r["response"] for r in batch])
-            for index, example in enumerate(examples, start=start):
-                special_tokens.check(example, lambda: describe(index))  # noqa: B023 - called at once, if at all
+            for index, (record, example) in enumerate(zip(batch, examples), start=start):
+                where = functools.partial(describe, index, record)  # called at once, if at all
+                special_tokens.check(example, where)
                 if is_eval_example(example.prompt_ids, spec.eval_fraction):
-                    check_fits(example, spec.seq_len, lambda: describe(index))  # noqa: B023 - called at once, if at all
+                    check_fits(example, spec.seq_len, where)
                     eval_count += 1
                     if len(eval_records) < spec.max_eval_examples:
-                        eval_records.append(records[index])
+                        eval_records.append(record)
                     continue
-                packer.add(example, lambda: describe(index))  # noqa: B023 - called at once, if at all
+                packer.add(example, where)
                 tokens += len(example.prompt_ids) + len(example.response_ids)
                 train_examples += 1
             files.add(packer.take_rows())
@@ -161,7 +169,7 @@ def write_dataset(
         if not eval_count:
             # Refused here, not at evaluation: by then the window's model has trained for nothing.
             raise EmptyPartitionError(
-                f"{source_label}: none of its {len(records)} records fell into the eval split "
+                f"{source_label}: none of its {record_count} records fell into the eval split "
                 f"(eval_fraction={spec.eval_fraction}, split by a hash of the prompt's tokens), so evaluation "
                 "would have nothing to score; raise eval_fraction or add records"
             )
@@ -204,6 +212,13 @@ def write_dataset(
 
 
 _TOKENIZE_BATCH = 2048  # records per batched tokenizer call
+
+
+def batched(items: Iterable, size: int) -> Iterator[list]:
+    """Lists of ``size`` items in order, the last maybe shorter (itertools.batched from Python 3.12)."""
+    items = iter(items)
+    while batch := list(itertools.islice(items, size)):
+        yield batch
 
 
 class _TrainFiles:

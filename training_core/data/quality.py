@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -12,7 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from training_core.data.dataset_writer import read_eval_records
+from training_core.data.dataset_writer import batched, read_eval_records
+from training_core.data.frozen_records import read_frozen_record
 from training_core.data.packing import IGNORE_INDEX, content_lengths, example_starts, tokenize_examples
 from training_core.data.sources import RecordLocations
 
@@ -107,37 +109,48 @@ _TOKENIZE_BATCH = 1024
 
 class SourceRecords:
     """The day's source records as the model sees them, tokenized again as the writer tokenized them
-    (in batches; memory grows with one key per distinct record): which repeat an earlier one, and
-    where each held-out example's record is. Tokens, not text, are compared: records that differ in
-    text may tokenize alike (the NFC and NFD forms of one prompt, for a tokenizer that normalizes
-    Unicode), and the model then trains on them twice all the same."""
+    (in batches, read as they come; memory grows with one key per distinct record): which repeat an
+    earlier one, and where each held-out example's record is. Tokens, not text, are compared: records
+    that differ in text may tokenize alike (the NFC and NFD forms of one prompt, for a tokenizer that
+    normalizes Unicode), and the model then trains on them twice all the same.
 
-    def __init__(self, records: list[dict[str, str]], tokenizer, records_path: str | None,
+    ``records`` is a list, or a one-pass iterator of the records in ``records_path`` (the frozen
+    file): the earlier record a repeat names is then read again from there, for the few named."""
+
+    def __init__(self, records: Iterable[dict[str, str]], tokenizer, records_path: str | None,
                  held_out: dict[tuple[int, ...], dict[str, str]], limit: int = 3) -> None:
+        if not isinstance(records, Sequence) and records_path is None:
+            raise ValueError("SourceRecords: records read once (an iterator) need records_path, the file they are "
+                             "read from, to name the earlier record a repeat repeats")
         self.records, self.records_path, self.locations = records, records_path, RecordLocations(records_path)
-        self.repeated, self.repeat_examples = 0, []
+        self.count, self.repeated, self.repeat_examples = 0, 0, []
         held_out_texts = {_token_key(sequence): _text_key(record) for sequence, record in held_out.items()}
         self.held_out_at: dict[bytes, int] = {}  # where each held-out example's record is
         first: dict[bytes, int] = {}
-        for start in range(0, len(records), _TOKENIZE_BATCH):
-            batch = records[start : start + _TOKENIZE_BATCH]
+        for batch in batched(records, _TOKENIZE_BATCH):
+            start, self.count = self.count, self.count + len(batch)
             examples = tokenize_examples(tokenizer, [r["prompt"] for r in batch], [r["response"] for r in batch])
-            for index, example in enumerate(examples, start=start):
+            for index, (record, example) in enumerate(zip(batch, examples), start=start):
                 key = _token_key(example.prompt_ids + example.response_ids)
-                if key in held_out_texts and _text_key(records[index]) == held_out_texts[key]:
+                if key in held_out_texts and _text_key(record) == held_out_texts[key]:
                     self.held_out_at.setdefault(key, index)
                 earlier = first.setdefault(key, index)
                 if earlier != index:
                     self.repeated += 1
                     if len(self.repeat_examples) < limit:
-                        self.repeat_examples.append(self._describe_repeat(index, earlier))
+                        self.repeat_examples.append(self._describe_repeat(index, record, earlier))
 
     def where(self, index: int) -> str:
         """The record as the user finds it: in their own file when its origins were kept."""
         return self.locations.users(index) or self.locations.frozen(index)
 
-    def _describe_repeat(self, index: int, earlier: int) -> str:
-        alike = _text_key(self.records[index]) == _text_key(self.records[earlier])
+    def _record(self, index: int) -> dict[str, str]:
+        if isinstance(self.records, Sequence):
+            return self.records[index]
+        return read_frozen_record(self.records_path, index)
+
+    def _describe_repeat(self, index: int, record: dict[str, str], earlier: int) -> str:
+        alike = _text_key(record) == _text_key(self._record(earlier))
         return f"{self.where(index)} repeats {self.where(earlier)}" + ("" if alike else " (other text, same tokens)")
 
 
@@ -271,7 +284,7 @@ def _duplicate_outcome(duplicate_rows: int, source: SourceRecords | None, max_re
     if source is None:
         return CheckOutcome("no_duplicate_rows", duplicate_rows == 0, rows, {"duplicate_rows": duplicate_rows})
     metadata = {"duplicate_rows": duplicate_rows, "duplicate_records": source.repeated}
-    repeated, total = source.repeated, len(source.records)
+    repeated, total = source.repeated, source.count
     if not repeated:
         return CheckOutcome("no_duplicate_rows", duplicate_rows == 0,
                             f"{rows}; no source record repeats an earlier one's tokens"
@@ -289,14 +302,15 @@ def _duplicate_outcome(duplicate_rows: int, source: SourceRecords | None, max_re
     return CheckOutcome("no_duplicate_rows", passed, description, metadata)
 
 
-def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer, records: list[dict[str, str]] | None = None,
+def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer, records: Iterable[dict[str, str]] | None = None,
                        records_path: str | None = None,
                        max_repeated_records: float = MAX_REPEATED_RECORDS) -> list[CheckOutcome]:
     """Every check, reading the training split one row group at a time (bounded memory). With the
     source ``records`` (and ``records_path``, the frozen file they came from), tokenized again here,
     no_duplicate_rows judges the records: it fails when more than ``max_repeated_records`` of them
     repeat an earlier one as tokens (packing may put repeats into distinct rows), and passes repeated
-    rows those repeats explain; the duplicate and leakage checks name the records in the user's files."""
+    rows those repeats explain; the duplicate and leakage checks name the records in the user's files.
+    ``records`` may be a one-pass iterator over the ``records_path`` file: it is read once, in batches."""
     files = sorted((Path(dataset_path) / "train").glob("*.parquet"))
     schema = pq.read_schema(files[0]) if files else pa.schema([])
     stats, widths, leaked = _RowStats(), set(), 0
@@ -328,7 +342,9 @@ def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer, records: list
     if other_schema:
         schema_outcome = CheckOutcome("schema", False, f"{', '.join(other_schema)}: another schema than "
                                       f"{files[0].name} ({schema_outcome.description})", schema_outcome.metadata)
-    source = SourceRecords(records, tokenizer, records_path, held_out) if records else None
+    source = SourceRecords(records, tokenizer, records_path, held_out) if records is not None else None
+    if source is not None and not source.count:
+        source = None  # no records to judge: as if none were given
     empty_rows, token_lengths = stats.outcomes(seq_len)
     outcomes = [
         schema_outcome,

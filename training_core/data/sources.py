@@ -17,14 +17,16 @@ byte-order mark is allowed).
 
 from __future__ import annotations
 
+import array
 import csv
 import gzip
-import io
+import itertools
 import json
 import os
+import re
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -32,7 +34,6 @@ from typing import Any
 import fsspec
 import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from training_core.data.local_folders import (
@@ -163,34 +164,53 @@ def list_source_files(source: str | Path) -> list[SourceFile]:
     return [file for _, file in found]
 
 
-def _read_bytes(file: SourceFile) -> bytes:
-    """The file's bytes, decompressed (in memory) when its name ends in .gz."""
+_BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark, as Excel writes it
+_GZIP_ERRORS = (gzip.BadGzipFile, EOFError, zlib.error)  # EOFError: cut short
+_CSV_FIELD_LIMIT = 2**31 - 1  # the most csv accepts on every platform (a C long)
+_PARQUET_BATCH_ROWS = 4096
+
+
+def _gzip_error(file: SourceFile, error: Exception) -> SourceDataError:
+    return SourceDataError(f"{file}: not a readable gzip file ({error}); was it cut short, or "
+                           "named .gz without being compressed?")
+
+
+def _byte_lines(file: SourceFile) -> Iterator[bytes]:
+    """The file's lines as bytes, each ending in b"\n" but maybe the last, read through a file object
+    (decompressed as it is read when its name ends in .gz): memory holds one line, not the file."""
     try:
-        data = file.fs.cat_file(file.path)
+        handle = file.fs.open(file.path, "rb")
     except Exception as error:  # a store's own types too (no credentials, access denied)
         raise SourceDataError(f"{file}: cannot be read ({_cause(error)})") from error
-    if not file.suffix.endswith(".gz"):
-        return data
-    try:
-        return gzip.decompress(data)
-    except (OSError, EOFError, zlib.error) as error:  # BadGzipFile is an OSError; EOFError: cut short
-        raise SourceDataError(f"{file}: not a readable gzip file ({error}); was it cut short, or "
-                              "named .gz without being compressed?") from error
+    with handle:
+        stream = gzip.GzipFile(fileobj=handle, mode="rb") if file.suffix.endswith(".gz") else handle
+        lines = iter(stream)
+        while True:
+            try:
+                line = next(lines)
+            except StopIteration:
+                return
+            except _GZIP_ERRORS as error:  # BadGzipFile is an OSError, so judged before the others
+                raise _gzip_error(file, error) from error
+            except Exception as error:
+                raise SourceDataError(f"{file}: cannot be read ({_cause(error)})") from error
+            yield line
 
 
-def _read_text(file: SourceFile) -> str:
-    """The file as UTF-8 text (a leading byte-order mark, as Excel writes, is dropped); bytes that
-    are not UTF-8 are refused with their line and column."""
-    data = _read_bytes(file)
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        column = error.start - data.rfind(b"\n", 0, error.start)
-        line = data.count(b"\n", 0, error.start) + 1
-        raise SourceDataError(
-            f"line {line} of {file}: not UTF-8 (byte 0x{data[error.start]:02x} at column {column}); "
-            "save the file as UTF-8"
-        ) from error
+def _text_lines(file: SourceFile) -> Iterator[tuple[int, str]]:
+    """(1-based line number, line) of the file as UTF-8 text, split at "\n" only (not splitlines():
+    U+2028 may sit in a string), endings kept; a leading byte-order mark is dropped. Bytes that are
+    not UTF-8 are refused with their line and column."""
+    for line_number, data in enumerate(_byte_lines(file), start=1):
+        if line_number == 1 and data.startswith(_BOM):
+            data = data[len(_BOM):]
+        try:
+            yield line_number, data.decode("utf-8")
+        except UnicodeDecodeError as error:  # "\n" is never part of a multi-byte character
+            raise SourceDataError(
+                f"line {line_number} of {file}: not UTF-8 (byte 0x{data[error.start]:02x} at column "
+                f"{error.start + 1}); save the file as UTF-8"
+            ) from error
 
 
 def _validated(record: object, where: str) -> dict[str, str]:
@@ -215,15 +235,25 @@ def _validated(record: object, where: str) -> dict[str, str]:
 
 
 def _read_json(file: SourceFile) -> tuple[str, Iterator[tuple[dict[str, str], int]]]:
-    """("item", records of a `.json` array) or ("line", records of JSON Lines), the file read once."""
-    text = _read_text(file)
-    if file.format == "json" and text.lstrip().startswith("["):
-        return "item", _read_json_array(file, text)
-    return "line", _read_json_lines(file, text)
+    """("item", records of a `.json` array) or ("line", records of JSON Lines). JSON Lines are read a
+    line at a time; a `.json` array is parsed whole (its items are one JSON value, so its size bounds
+    memory; export large days as JSON Lines)."""
+    lines = _text_lines(file)
+    if file.format != "json":
+        return "line", _read_json_lines(file, lines)
+    blank = []  # leading blank lines, read to find out which a .json file holds
+    for numbered in lines:
+        blank.append(numbered)
+        if numbered[1].strip():
+            break
+    read = itertools.chain(blank, lines)
+    if blank and blank[-1][1].lstrip().startswith("["):
+        return "item", _read_json_array(file, "".join(line for _, line in read))
+    return "line", _read_json_lines(file, read)
 
 
-def _read_json_lines(file: SourceFile, text: str) -> Iterator[tuple[dict[str, str], int]]:
-    for line_number, line in enumerate(text.split("\n"), start=1):  # not splitlines(): U+2028 may sit in a string
+def _read_json_lines(file: SourceFile, lines: Iterator[tuple[int, str]]) -> Iterator[tuple[dict[str, str], int]]:
+    for line_number, line in lines:
         if not line.strip():
             continue
         try:
@@ -244,12 +274,24 @@ def _read_json_array(file: SourceFile, text: str) -> Iterator[tuple[dict[str, st
         yield _validated(item, f"item {index} (0-based) of the JSON array in {file}"), index
 
 
+_CSV_LINE_BREAK = re.compile(r"[^\r]*(?:\r\n?|$)")
+
+
+def _csv_lines(file: SourceFile) -> Iterator[str]:
+    """The file's lines as csv reads them from a file opened with newline="": a lone "\r" ends a
+    line too, so csv's line count, and so the line numbers in messages, are those of the whole text."""
+    for _, line in _text_lines(file):
+        if "\r" not in line:
+            yield line
+            continue
+        yield from (piece for piece in _CSV_LINE_BREAK.findall(line) if piece)
+
+
 def _read_csv(file: SourceFile) -> Iterator[tuple[dict[str, str], int]]:
-    text = _read_text(file)
     # csv's default limit (131,072 characters a field) would call a long but valid record malformed;
-    # no field is longer than its file, and a record too long to train on is named where it is packed.
-    csv.field_size_limit(max(csv.field_size_limit(), len(text)))
-    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    # a record too long to train on is named where it is packed.
+    csv.field_size_limit(max(csv.field_size_limit(), _CSV_FIELD_LIMIT))
+    reader = csv.reader(_csv_lines(file), strict=True)
     try:
         header = next(reader, [])
     except csv.Error as error:
@@ -280,58 +322,114 @@ def _read_csv(file: SourceFile) -> Iterator[tuple[dict[str, str], int]]:
 
 
 def _read_parquet(file: SourceFile) -> Iterator[tuple[dict[str, str], int]]:
-    # Read whole, like the text files: a store's errors then all say "cannot be read", and what
-    # pyarrow refuses is the file's content. The table built from it is larger anyway.
-    data = _read_bytes(file)
+    """Rows converted one batch at a time: memory holds a batch (and a row group), not the file."""
     try:
-        table = pq.read_table(pa.BufferReader(data))
-    except Exception as error:  # pyarrow raises several types for unreadable files
-        raise SourceDataError(f"{file}: not a readable Parquet file ({error})") from error
-    missing = [f for f in REQUIRED_FIELDS if f not in table.column_names]
-    if missing:
-        raise SourceDataError(f"{file}: schema lacks column(s) {missing}")
-    for row_index, row in enumerate(table.select(list(REQUIRED_FIELDS)).to_pylist()):
-        yield _validated(row, f"row {row_index} (0-based) of {file}"), row_index
+        handle = file.fs.open(file.path, "rb")
+    except Exception as error:  # a store's own types too (no credentials, access denied)
+        raise SourceDataError(f"{file}: cannot be read ({_cause(error)})") from error
+    with handle:
+        try:
+            parquet = pq.ParquetFile(handle)
+            names = parquet.schema_arrow.names
+        except Exception as error:  # pyarrow raises several types for unreadable files
+            raise SourceDataError(f"{file}: not a readable Parquet file ({error})") from error
+        missing = [f for f in REQUIRED_FIELDS if f not in names]
+        if missing:
+            raise SourceDataError(f"{file}: schema lacks column(s) {missing}")
+        batches = parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=list(REQUIRED_FIELDS))
+        row_index = 0
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            except Exception as error:  # a damaged row group, or the store failing mid-read
+                raise SourceDataError(f"{file}: not a readable Parquet file ({error})") from error
+            for row in batch.to_pylist():
+                yield _validated(row, f"row {row_index} (0-based) of {file}"), row_index
+                row_index += 1
 
 
-@dataclass
 class RecordOrigins:
     """Where each record came from: (file, line / array item / row). Kept beside a frozen copy of
-    the records (hidden, outside its digest) so that a later error names the user's own file."""
+    the records (hidden, outside its digest) so that a later error names the user's own file.
+    12 bytes a record (two arrays of numbers), not a Python tuple each: a day may be millions."""
 
-    files: list[tuple[str, str]] = field(default_factory=list)  # (path, "line" | "item" | "row")
-    positions: list[tuple[int, int]] = field(default_factory=list)  # (file index, number) per record
+    def __init__(self, files: list[tuple[str, str]] | None = None,
+                 positions: Iterable[tuple[int, int]] = ()) -> None:
+        self.files: list[tuple[str, str]] = list(files or [])  # (path, "line" | "item" | "row")
+        self._file_of, self._number_of = array.array("i"), array.array("q")  # per record
+        for file_index, number in positions:
+            self.add(file_index, number)
+
+    def add(self, file_index: int, number: int) -> None:
+        self._file_of.append(file_index)
+        self._number_of.append(number)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RecordOrigins):
+            return NotImplemented
+        return (self.files, self._file_of, self._number_of) == (other.files, other._file_of, other._number_of)
 
     def describe(self, index: int) -> str | None:
-        if not 0 <= index < len(self.positions):
+        if not 0 <= index < len(self):
             return None
-        file_index, number = self.positions[index]
-        path, unit = self.files[file_index]
+        path, unit = self.files[self._file_of[index]]
+        number = self._number_of[index]
         return f"line {number} of {path}" if unit == "line" else f"{unit} {number} (0-based) of {path}"
 
     def save(self, path: Path) -> None:
         """Written whole (temporary file, then a rename): it may replace the origins beside a published
-        copy that a concurrent reader is loading."""
+        copy that a concurrent reader is loading. The JSON is written in pieces, never built whole."""
         temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        temporary.write_text(json.dumps({"files": self.files, "positions": self.positions}))
+        with temporary.open("w", encoding="utf-8") as handle:
+            handle.write(f'{{"files": {json.dumps(self.files)}, "positions": [')
+            for start in range(0, len(self), _ORIGINS_CHUNK):
+                pairs = zip(self._file_of[start : start + _ORIGINS_CHUNK], self._number_of[start : start + _ORIGINS_CHUNK])
+                handle.write(("" if start == 0 else ", ") + ", ".join(f"[{f}, {n}]" for f, n in pairs))
+            handle.write("]}")
         os.replace(temporary, path)
 
     @classmethod
     def load(cls, path: Path) -> "RecordOrigins | None":
+        """The origins saved at ``path``; the positions are parsed pair by pair, so memory holds the
+        file's text and the two arrays, not a list of lists."""
         try:
-            data = json.loads(path.read_text())
-            return cls([tuple(f) for f in data["files"]], [tuple(p) for p in data["positions"]])
+            text = path.read_text()
+            head, separator, positions = text.rpartition(', "positions": [')  # last: only numbers follow
+            if not separator or not positions.rstrip().endswith("]}"):
+                return None
+            files = json.loads(head + "}")["files"]
+            origins = cls([tuple(f) for f in files])
+            for match in _POSITION.finditer(positions):
+                origins.add(int(match[1]), int(match[2]))
+            return origins
         except (OSError, ValueError, KeyError, TypeError):
             return None  # no record of origins (demo data, or frozen before they were kept)
 
 
+_ORIGINS_CHUNK = 4096
+_POSITION = re.compile(r"\[\s*(\d+)\s*,\s*(\d+)\s*\]")
+
+
 class RecordLocations:
     """Where record ``index`` of a frozen records file (JSON Lines) is, for messages: its line there,
-    and its place in the user's own file when the origins were kept beside it."""
+    and its place in the user's own file when the origins were kept beside it (loaded when first
+    asked: most datasets never name a record)."""
 
     def __init__(self, records_path: str | None) -> None:
         self.records_path = records_path
-        self.origins = RecordOrigins.load(Path(records_path).parent / ORIGINS_FILE) if records_path else None
+        self._origins: RecordOrigins | None = None
+        self._loaded = records_path is None
+
+    @property
+    def origins(self) -> RecordOrigins | None:
+        if not self._loaded:
+            self._origins, self._loaded = RecordOrigins.load(Path(self.records_path).parent / ORIGINS_FILE), True
+        return self._origins
 
     def frozen(self, index: int) -> str:
         return f"line {index + 1} of {self.records_path}" if self.records_path else f"record {index} (0-based)"
@@ -340,15 +438,10 @@ class RecordLocations:
         return self.origins.describe(index) if self.origins is not None else None
 
 
-def read_records(source: str | Path) -> list[dict[str, str]]:
-    """All records from every data file at `source`, in file order."""
-    return read_records_with_origins(source)[0]
-
-
-def read_records_with_origins(source: str | Path) -> tuple[list[dict[str, str]], RecordOrigins]:
-    """All records from every data file at `source`, in file order, and where each came from."""
-    records: list[dict[str, str]] = []
-    origins = RecordOrigins()
+def iter_records(source: str | Path, origins: RecordOrigins | None = None) -> Iterator[dict[str, str]]:
+    """Every record from every data file at `source`, in file order, read a line (JSONL, CSV) or a
+    batch of rows (Parquet) at a time, so memory holds a batch, not the day (a `.json` array is read
+    whole). With `origins`, where each record came from is added to it as the record is yielded."""
     for file in list_source_files(source):
         if file.format in ("jsonl", "json"):
             unit, rows = _read_json(file)
@@ -356,9 +449,21 @@ def read_records_with_origins(source: str | Path) -> tuple[list[dict[str, str]],
             unit, rows = "line", _read_csv(file)
         else:
             unit, rows = "row", _read_parquet(file)
-        origins.files.append((file.location, unit))  # the URI with its scheme: later messages name it
-        file_index = len(origins.files) - 1
+        if origins is not None:
+            origins.files.append((file.location, unit))  # the URI with its scheme: later messages name it
+        file_index = len(origins.files) - 1 if origins is not None else 0
         for record, number in rows:
-            records.append(record)
-            origins.positions.append((file_index, number))
-    return records, origins
+            if origins is not None:
+                origins.add(file_index, number)
+            yield record
+
+
+def read_records(source: str | Path) -> list[dict[str, str]]:
+    """All records from every data file at `source`, in file order (a list: see `iter_records`)."""
+    return list(iter_records(source))
+
+
+def read_records_with_origins(source: str | Path) -> tuple[list[dict[str, str]], RecordOrigins]:
+    """All records from every data file at `source`, in file order, and where each came from."""
+    origins = RecordOrigins()
+    return list(iter_records(source, origins)), origins
