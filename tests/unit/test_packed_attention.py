@@ -124,6 +124,9 @@ def test_positions_restart_and_attention_stays_within_each_example():
     assert "attention_mask" not in flash
     assert flash["cu_seq_lens_q"].tolist() == flash["cu_seq_lens_k"].tolist() == [0, 4, 8, 16]
     assert flash["cu_seq_lens_q"].dtype == torch.int32 and flash["max_length_q"] == flash["max_length_k"] == 8
+    # Row 0 alone: its longest example (the last, with its padding) is 4 tokens, half the row.
+    shorter = attention_inputs(rows["position_ids"][:1], "flash_attention_2", torch.bfloat16)
+    assert shorter["cu_seq_lens_q"].tolist() == [0, 4, 8] and shorter["max_length_q"] == shorter["max_length_k"] == 4
     # Reader buffers are left as they were: labels are masked on a copy.
     assert labels[0].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 6, eos, IGNORE_INDEX, 7, eos, IGNORE_INDEX]
 
