@@ -56,6 +56,16 @@ def test_the_eos_of_a_nested_text_config_is_accepted(tmp_path):
     assert check_training_data([_packed_rows(tmp_path / "d", 106)], 4, 2, eos_token_ids=eos_token_ids) == 8
 
 
+def test_a_composite_config_without_a_top_level_eos_reads_its_text_configs(tmp_path):
+    # transformers 5 gives such a config no eos_token_id attribute at all (AttributeError, not None).
+    from transformers import Gemma3Config
+
+    Gemma3Config(text_config={"eos_token_id": 106, "vocab_size": 256}).save_pretrained(tmp_path / "gemma")
+    config = load_model_config(str(tmp_path / "gemma"))
+    assert not hasattr(config, "eos_token_id")
+    assert 106 in base_model_eos_token_ids(str(tmp_path / "gemma"), config)  # (with generation_config.json's)
+
+
 def test_a_row_after_null_rows_is_named_by_its_row_in_the_file(tmp_path):
     """A file written without statistics hides its null rows from the footer: the preflight skips
     them in the first row group (the worker names them) and still names a bad row by its place."""

@@ -36,7 +36,9 @@ def base_model_eos_token_ids(model_path: str, model_config) -> frozenset[int]:
     none (training reads no tokenizer); ``model_config``: its config.json, already loaded."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    named = [model_config.eos_token_id, model_config.get_text_config().eos_token_id]
+    # getattr: transformers 5 gives a composite config (Gemma 3) no top-level eos_token_id attribute
+    # when its config.json names none; its text config does.
+    named = [getattr(model_config, "eos_token_id", None), getattr(model_config.get_text_config(), "eos_token_id", None)]
     try:
         named.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
     except OSError:  # no generation_config.json
