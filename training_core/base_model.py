@@ -352,17 +352,27 @@ def vocab_size(model_config) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
+def _rope_extended(rope) -> bool:
+    """Whether RoPE parameters scale the positions: one dict, or one per layer type (Gemma 3's
+    {"full_attention": {...}, "sliding_attention": {...}})."""
+    if not isinstance(rope, dict):
+        return False
+    if rope and all(isinstance(value, dict) for value in rope.values()):
+        return any(map(_rope_extended, rope.values()))
+    return rope.get("rope_type", rope.get("type", "default")) != "default"
+
+
 def check_context_length(name_or_path: str, seq_len: int, model_config=None) -> None:
     """Refuse training rows longer than the model's positions, before any worker starts: a model
     with learned positions fails inside a worker with an index error (a device assert on a GPU),
     a rotary one trains on positions it never saw. A RoPE scaling in the model's config is taken
     as a deliberate extension and accepted. ``model_config``: already loaded, else read here."""
     config = model_config if model_config is not None else load_model_config(name_or_path)
-    field, limit = next(((name, getattr(config, name)) for name in _CONTEXT_FIELDS
-                         if isinstance(getattr(config, name, None), int)), (None, None))
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    extended = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
-    if limit is not None and seq_len > limit and not extended:
+    text = config.get_text_config()  # multimodal models (Gemma 3 from 4B) nest the text model's positions
+    field, limit = next(((name, getattr(text, name)) for name in _CONTEXT_FIELDS
+                         if isinstance(getattr(text, name, None), int)), (None, None))
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if limit is not None and seq_len > limit and not _rope_extended(rope):
         raise ConfigError(
             f"training rows of seq_len={seq_len} are longer than base model {name_or_path} allows ({field}={limit}); "
             "lower seq_len (training_dataset config) or use a model with a longer context"

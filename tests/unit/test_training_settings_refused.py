@@ -30,7 +30,7 @@ def test_modules_to_save_that_the_model_lacks_are_refused(demo_model):
      r"lora.modules_to_save \['wte'\]: no module of that name in the base model \(top-level modules: \['model', "
      r"'lm_head'\]\); for a pretrained base, set it to \[\]"),
     ({"target_modules": ["q_proj", "c_attn"]},
-     r"lora.target_modules \['c_attn'\]: no module of that name in the base model \(its linear layers: .*'q_proj'"),
+     r"lora.target_modules \['c_attn'\]: no module of that name in the base model \(layers LoRA can wrap: .*'q_proj'"),
     ({"target_modules": "all_linear"},  # a misspelt keyword is a regular expression to PEFT
      r"lora.target_modules 'all_linear': PEFT reads a string other than 'all-linear' as a regular expression over "
      r"full module names \(such as 'model.layers.0.*'\) and this one matches none"),
@@ -96,14 +96,14 @@ def test_lora_modules_that_peft_cannot_adapt_are_refused_in_the_driver(lora, mes
     import torch
 
     from training_core.base_model import load_model_config
-    from training_core.train.model_setup import apply_method, check_module_names_before_start, load_base_model
+    from training_core.train.model_setup import apply_method, check_model_before_start, load_base_model
 
     config = TrainingConfig(lora=lora)
     if message is None:
-        check_module_names_before_start(config, load_model_config(demo_model.name_or_path))
+        check_model_before_start(config, load_model_config(demo_model.name_or_path))
     else:
         with pytest.raises(ConfigError, match=message) as refused:
-            check_module_names_before_start(config, load_model_config(demo_model.name_or_path))
+            check_model_before_start(config, load_model_config(demo_model.name_or_path))
         assert "\n" not in str(refused.value)
     model = load_base_model(config, demo_model.name_or_path)
     with torch.random.fork_rng():

@@ -12,7 +12,7 @@ from training_core.data.batch_columns import TRAINING_COLUMNS, TRAINING_TRANSFOR
 from training_core.errors import SourceDataError
 from training_core.train.config import TrainingConfig
 from training_core.train.model_setup import model_dtype
-from training_core.train.packed_attention import attention_inputs, packed_rows
+from training_core.train.packed_attention import SlidingWindow, attention_inputs, packed_rows
 
 # The cache quota where the caller names none (a cache warmed outside Dagster: tests, benchmarks);
 # the lora_adapter asset passes the one the row_group_cache resource warmed with.
@@ -97,12 +97,21 @@ class EpochBatches:
                 f"{inputs} input_ids but {labels} labels; training needs one label per input token"
             )
 
-    def model_inputs(self, batch: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor | int]:
+    def model_inputs(self, batch: dict[str, torch.Tensor], device: torch.device | str,
+                     window: SlidingWindow | None = None) -> dict:
         """A batch as the model takes it, on the model's ``device`` (DeepSpeed's engine moves no
-        inputs): each packed example attends only to itself, as evaluation scores it. The mask
-        (batch × seq² entries) is built here, for one micro-batch at a time."""
-        inputs = {**batch, **attention_inputs(batch["position_ids"], self._config.attention, model_dtype(self._config))}
-        return {name: value.to(device) if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
+        inputs): each packed example attends only to itself, as evaluation scores it, within the model's
+        sliding ``window`` (model_setup.sliding_window) if it has one. The mask (batch × seq² entries) is
+        built here, for one micro-batch at a time."""
+        inputs = {**batch, **attention_inputs(batch["position_ids"], self._config.attention, model_dtype(self._config),
+                                              window)}
+
+        def moved(value):
+            if isinstance(value, dict):  # a mask per layer type
+                return {name: moved(mask) for name, mask in value.items()}
+            return value.to(device) if isinstance(value, torch.Tensor) else value
+
+        return {name: moved(value) for name, value in inputs.items()}
 
     def state_dict(self) -> dict:
         return self._reader.state_dict()

@@ -26,7 +26,7 @@ from training_core.train.checkpointing import (
 )
 from training_core.train.config import TrainingConfig
 from training_core.train.data_preflight import base_model_eos_token_ids, check_training_data
-from training_core.train.model_setup import check_module_names_before_start
+from training_core.train.model_setup import check_model_before_start
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.fault_injection import fault_step_for
 from training_core.train.loop import WorkerInputs, train_loop_per_worker
@@ -148,7 +148,7 @@ def run_training(
                                base_model_eos_token_ids(model_path, model_config))
     check_epochs_hold_an_optimizer_step(config, rows)
     check_context_length(model_path, seq_len, model_config)
-    check_module_names_before_start(config, model_config)
+    check_model_before_start(config, model_config)
     inputs = WorkerInputs(
         config=config.model_dump(mode="json"),
         model_path=model_path,

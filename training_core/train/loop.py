@@ -42,7 +42,7 @@ from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.deepspeed_startup import import_deepspeed, skip_unused_deepspeed_startup
 from training_core.train.loss_weighting import check_loss_takes_token_count, loss_to_backpropagate, step_token_count
 from training_core.train.model_setup import (
-    apply_method, attention_shape, count_matmul_weights, count_parameters, load_base_model,
+    apply_method, attention_shape, count_matmul_weights, count_parameters, load_base_model, sliding_window,
 )
 from training_core.train.repeatable_failures import (
     REPEATABLE_ERRORS,
@@ -186,6 +186,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
     flops_per_token = model_flops_per_token(
         *count_matmul_weights(engine.module), *attention_shape(engine.module.config), inputs.seq_len
     )
+    window = sliding_window(engine.module.config)  # packed rows' masks must hold it: the model takes them as given
     timer = StepTimer(synchronize=torch.cuda.synchronize if config.use_gpu else None)
     already_finished = progress.finished
     unreduced_losses: list[torch.Tensor] = []  # this rank's shares of the step losses since the last report
@@ -202,7 +203,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
         for batch in micro_batches:
             with timer.phase("forward"):
                 # loss = summed token loss / step_tokens
-                loss = engine(**batches.model_inputs(batch, engine.device), num_items_in_batch=step_tokens).loss
+                loss = engine(**batches.model_inputs(batch, engine.device, window), num_items_in_batch=step_tokens).loss
             with timer.phase("backward"):
                 engine.backward(loss_to_backpropagate(loss, world_size), scale_wrt_gas=False)
             with timer.phase("optimizer"):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from typing import NoReturn
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -10,6 +12,7 @@ from transformers.pytorch_utils import Conv1D
 
 from training_core.errors import ConfigError
 from training_core.train.config import TrainingConfig
+from training_core.train.packed_attention import SlidingWindow
 
 
 def model_dtype(config: TrainingConfig) -> torch.dtype:
@@ -34,6 +37,19 @@ def load_base_model(config: TrainingConfig, model_path: str):
             bnb_4bit_compute_dtype=torch.bfloat16,
         )
     return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+
+
+def sliding_window(model_config) -> SlidingWindow | None:
+    """The text model's sliding window, which packed rows' masks must hold too (packed_attention), or
+    None where every layer attends in full. transformers' own rule: a model uses ``sliding_window`` when
+    it is set (Qwen2/Qwen3-MoE set it to None without use_sliding_window), on the layers that
+    ``layer_types`` calls sliding, or on every layer where the config has no ``layer_types``."""
+    text = model_config.get_text_config()
+    size = getattr(text, "sliding_window", None)
+    kinds = set(getattr(text, "layer_types", None) or ["sliding_attention"])
+    if not isinstance(size, int) or "sliding_attention" not in kinds:
+        return None
+    return SlidingWindow(size=size, per_layer_type=len(kinds) > 1)
 
 
 def apply_method(model, config: TrainingConfig):
@@ -97,11 +113,12 @@ def check_module_names(config: TrainingConfig, model) -> None:
                           f"name the modules inside instead")
 
     target = config.lora.target_modules
-    linear = sorted({name.rsplit(".", 1)[-1] for name, layer in modules.items() if isinstance(layer, torch.nn.Linear)})
+    # What LoRA can wrap, as users name it: GPT-2's attention and MLP are Conv1D layers, not nn.Linear.
+    wrappable = sorted({name.rsplit(".", 1)[-1] for name, layer in modules.items() if isinstance(layer, _LORA_LAYERS)})
     if isinstance(target, list):
         if absent := missing(target):
             raise ConfigError(f"lora.target_modules {absent}: no module of that name in the base model "
-                              f"(its linear layers: {linear})")
+                              f"(layers LoRA can wrap: {wrappable})")
         chosen = [name for name in names if any(named(entry, name) for entry in target)]
     elif target == "all-linear":
         # PEFT leaves out the output layer (lm_head); all the others are linear, so only modules_to_save matters.
@@ -117,11 +134,11 @@ def check_module_names(config: TrainingConfig, model) -> None:
                               f"expression ({error})") from None
         chosen = [name for name in names if pattern.fullmatch(name)]
         if not chosen:
-            example = next((name for name in names if linear and name.endswith(f".{linear[0]}")), "")
+            example = next((name for name in names if wrappable and name.endswith(f".{wrappable[0]}")), "")
             raise ConfigError(
                 f"lora.target_modules {target!r}: PEFT reads a string other than 'all-linear' as a regular expression "
                 f"over full module names (such as {example!r}) and this one matches none; use 'all-linear' or a "
-                f"list of names (its linear layers: {linear})"
+                f"list of names (layers LoRA can wrap: {wrappable})"
             )
 
     def kept_whole(name: str) -> bool:  # in modules_to_save, or inside a module that is
@@ -150,14 +167,55 @@ def _described(names: list[str], modules: dict, shown: int = 3) -> str:
     return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
-def check_module_names_before_start(config: TrainingConfig, model_config) -> None:
-    """``check_module_names`` in the driver, on the model's skeleton (built on the meta device from its
-    config: no weights are read or allocated), before any worker starts."""
-    if config.method == "full":
-        return
+def check_model_before_start(config: TrainingConfig, model_config) -> None:
+    """In the driver, before any worker starts (where a failure would repeat once per Ray retry, in
+    transformers' or PEFT's words): the model can take packed rows' 4-D masks, its class runs the configured
+    ``attention``, and ``check_module_names`` passes, on the model's skeleton (built on the meta device from
+    its config: no weights are read or allocated)."""
+    _check_takes_a_mask_per_example(model_config)
+    check_module_names(config, _skeleton(config, model_config))
+
+
+def _check_takes_a_mask_per_example(model_config) -> None:
+    text = model_config.get_text_config()
+    # BLOOM, and Falcon with alibi=True, build their ALiBi biases from the attention mask read as 2-D padding.
+    if text.model_type == "bloom" or (text.model_type == "falcon" and getattr(text, "alibi", False)):
+        raise ConfigError(
+            f"base model {model_config.name_or_path or text.model_type} ({text.model_type}) builds its ALiBi position "
+            f"biases from a 2-D padding mask, and packed training rows keep their examples apart with a 4-D mask, "
+            f"which it cannot take; use a base model with rotary or learned positions"
+        )
+
+
+def _skeleton(config: TrainingConfig, model_config):
+    """The model on the meta device with the configured attention, refused (ConfigError) where its class
+    does not support it. For flash_attention_2 only the class's support is checked: the flash-attn package
+    is the GPU workers' to have, not the driver's."""
+    attention = "eager" if config.attention == "flash_attention_2" else config.attention
+    try:
+        skeleton = _on_meta(model_config, attention)
+    except ValueError as error:
+        skeleton = _on_meta(model_config, "eager")  # every model runs eager: a fault of another kind raises here
+        _refuse_attention(config, model_config, skeleton, error)
+    if config.attention == "flash_attention_2" and not skeleton._supports_flash_attn:
+        _refuse_attention(config, model_config, skeleton)
+    return skeleton
+
+
+def _on_meta(model_config, attention: str):
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(model_config)
-    check_module_names(config, skeleton)
+        return AutoModelForCausalLM.from_config(model_config, attn_implementation=attention)
+
+
+def _refuse_attention(config: TrainingConfig, model_config, skeleton, cause: Exception | None = None) -> NoReturn:
+    import transformers
+
+    model_type = model_config.get_text_config().model_type
+    raise ConfigError(
+        f"attention={config.attention!r} (training config): base model {model_config.name_or_path or model_type} "
+        f"({model_type}, {type(skeleton).__name__}) does not support it in transformers {transformers.__version__}; "
+        f"set attention to one it supports ('eager' runs every model)"
+    ) from cause
 
 
 def _is_unused_copy(name: str) -> bool:
@@ -186,21 +244,29 @@ def count_matmul_weights(model) -> tuple[int, int]:
     """(frozen, trainable) weights of the linear layers that run in a forward pass, from their shapes
     (right under ZeRO-3 partitioning and 4-bit packing), for the FLOPs of :func:`model_flops_per_token`.
     Linear layers are ``torch.nn.Linear`` and transformers' ``Conv1D`` (GPT-2 family: a linear layer
-    with its weight stored as (in, out))."""
+    with its weight stored as (in, out)), and MoE experts: transformers 5 stores a layer's experts as
+    3-D parameters (one slice per expert), of which a token runs the ``num_experts_per_tok`` it is
+    routed to (every expert where the config names no such count)."""
+    routed = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
     frozen = trainable = 0
     for name, module in model.named_modules():
         if _is_unused_copy(name):
             continue
         if isinstance(module, torch.nn.Linear):
-            weights = module.in_features * module.out_features
+            counted = [(module.weight, module.in_features * module.out_features)]
         elif isinstance(module, Conv1D):
-            weights = module.nx * module.nf
+            counted = [(module.weight, module.nx * module.nf)]
+        elif isinstance(experts := getattr(module, "num_experts", None), int) and experts > 0:
+            counted = [(parameter, math.prod(shape) * (routed or experts) // experts)
+                       for parameter in module.parameters(recurse=False)
+                       if len(shape := getattr(parameter, "ds_shape", parameter.shape)) == 3 and shape[0] == experts]
         else:
             continue
-        if module.weight.requires_grad:
-            trainable += weights
-        else:
-            frozen += weights
+        for parameter, weights in counted:
+            if parameter.requires_grad:
+                trainable += weights
+            else:
+                frozen += weights
     return frozen, trainable
 
 

@@ -17,12 +17,21 @@ How the blocks reach the model depends on `TrainingConfig.attention`:
   (cu_seq_lens_q/k, max_length_q/k, as transformers' DataCollatorWithFlattening gives them).
   transformers reads blocks from position ids alone only for a batch of one row. Not run on CPU.
 
+A model with sliding-window attention (Mistral, Phi-3, Gemma 2/3, gpt-oss, Cohere2, Qwen2 with
+use_sliding_window) builds its window into the mask it makes itself; given a 4-D mask it takes it as the
+whole truth, so the mask must hold the window too (else training attends further back than evaluation and
+inference). A model whose config lists ``layer_types`` of both kinds takes a mask per layer type, as a dict;
+one with sliding layers only takes a single mask (Mistral refuses a dict). The dict holds two masks:
+twice the memory below.
+
 A mask holds batch × seq × seq entries: at seq_len 4096, 16 MiB a row as booleans (sdpa), 32 MiB in
 bf16 or 64 MiB in fp32 (eager). So a step holds its micro-batches as packed_rows (tokens and position
 ids) and builds each one's attention_inputs only as it goes to the model.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,18 +53,45 @@ def packed_rows(input_ids: np.ndarray, labels: np.ndarray) -> dict[str, torch.Te
     }
 
 
-def attention_inputs(position_ids: torch.Tensor, attention: str, dtype: torch.dtype) -> dict[str, torch.Tensor | int]:
+@dataclass(frozen=True)
+class SlidingWindow:
+    """A model's local attention: a query sees its own and the ``size - 1`` keys before it (transformers'
+    sliding_window_overlay: key > query - size). ``per_layer_type``: its layers mix full and sliding
+    attention, and it takes a mask per layer type."""
+
+    size: int
+    per_layer_type: bool
+
+
+Mask = torch.Tensor | dict[str, torch.Tensor]
+
+
+def attention_inputs(position_ids: torch.Tensor, attention: str, dtype: torch.dtype,
+                     window: SlidingWindow | None = None) -> dict[str, Mask | int]:
     """What keeps the examples of packed rows apart for ``attention``, from their position ids: a
-    mask of batch × seq × seq entries, built only as a micro-batch goes to the model."""
+    mask of batch × seq × seq entries, built only as a micro-batch goes to the model; cut to ``window``
+    for a model with sliding-window layers."""
     if attention == "flash_attention_2":
+        # No window here: transformers' flash path gives each sliding layer flash-attn's window_size
+        # (config.sliding_window - 1 keys back, causal) on the varlen path too
+        # (modeling_flash_attention_utils._process_flash_attention_kwargs), and full layers none.
         return _flash_varlen_arguments((position_ids == 0).numpy())
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(f"attention={attention!r}: packed rows need one of sdpa, eager, flash_attention_2")
     first_index = (torch.arange(position_ids.shape[1]) - position_ids).numpy()
     allowed = _block_causal_mask(first_index)
-    if attention == "sdpa":
-        return {"attention_mask": allowed}
-    if attention == "eager":
-        return {"attention_mask": torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype).masked_fill_(allowed, 0.0)}
-    raise ValueError(f"attention={attention!r}: packed rows need one of sdpa, eager, flash_attention_2")
+
+    def as_taken(mask: torch.Tensor) -> torch.Tensor:
+        if attention == "sdpa":
+            return mask
+        return torch.full(mask.shape, torch.finfo(dtype).min, dtype=dtype).masked_fill_(mask, 0.0)
+
+    if window is None:
+        return {"attention_mask": as_taken(allowed)}
+    windowed = as_taken(allowed & _within_window(allowed.shape[-1], window.size))
+    if window.per_layer_type:
+        return {"attention_mask": {"full_attention": as_taken(allowed), "sliding_attention": windowed}}
+    return {"attention_mask": windowed}
 
 
 def _example_first_index(starts: np.ndarray) -> np.ndarray:
@@ -72,6 +108,12 @@ def _block_causal_mask(first_index: np.ndarray) -> torch.Tensor:
     allowed = keys[None, None, :] >= torch.from_numpy(first_index.astype(np.int32))[:, :, None]
     allowed &= torch.ones(width, width, dtype=torch.bool).tril_()
     return allowed[:, None]
+
+
+def _within_window(width: int, size: int) -> torch.Tensor:
+    """[seq, seq] booleans: key k is among the ``size`` latest for query q (k > q - size)."""
+    index = torch.arange(width, dtype=torch.int32)
+    return index[None, :] > index[:, None] - size
 
 
 def _flash_varlen_arguments(starts: np.ndarray) -> dict[str, torch.Tensor | int]:
