@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +20,11 @@ from training_core.errors import ConfigError
 from training_core.train.config import TrainingConfig, parse_training_config
 from training_core.train.loop import _append_mean_losses, pin_to_own_cores
 from training_core.train.model_setup import apply_method, attention_shape, count_matmul_weights, count_parameters
-from training_core.train.telemetry import StartupClock, StepTimer, model_flops_per_token, resolve_peak_preset
+from training_core.data.packing import RowPacker, TokenizedExample
+from training_core.train.packed_attention import packed_rows
+from training_core.train.telemetry import (
+    ModelFlops, StartupClock, StepTimer, model_flops_per_token, resolve_peak_preset,
+)
 
 
 def test_startup_clock_splits_from_the_launch_mark():
@@ -36,7 +41,7 @@ def test_step_timer_counts_a_blocked_phase_as_blocked():
         never_set.wait(timeout=0.05)  # blocks without CPU, like a thread waiting on a collective
     assert timer.backward_s >= 0.05
     assert 0.8 * timer.backward_s <= timer.blocked["backward"] <= timer.backward_s
-    summary = timer.summary(flops_per_token=1.0, preset="cpu", world_size=1)
+    summary = timer.summary(preset="cpu", world_size=1)
     assert summary["backward_blocked_s"] == timer.blocked["backward"]
 
 
@@ -69,7 +74,7 @@ def _train(timer: StepTimer, clock: FakeClock, steps: int, checkpoint_every: int
                     with timer.checkpoint():
                         clock.advance(checkpoint_seconds)
                 clock.advance(seconds / 2)
-        timer.tokens += 512
+        timer.add_batch(512, 512 * 1e6)
         timer.steps += 1
         if checkpoint_now and inside is None:
             with timer.checkpoint():
@@ -89,8 +94,8 @@ def test_checkpoints_are_reported_as_checkpoint_s_and_leave_throughput_unchanged
     rare, often = _timer(rare_clock), _timer(often_clock)
     _train(rare, rare_clock, steps=20)
     _train(often, often_clock, steps=20, checkpoint_every=5, checkpoint_seconds=3.0, inside=inside)
-    without = rare.summary(flops_per_token=1e6, preset="h100", world_size=2)
-    with_checkpoints = often.summary(flops_per_token=1e6, preset="h100", world_size=2)
+    without = rare.summary(preset="h100", world_size=2)
+    with_checkpoints = often.summary(preset="h100", world_size=2)
 
     assert without["tokens_per_s"] == pytest.approx(20 * 512 * 2 / 40.0)
     for metric in ("tokens_per_s", "achieved_flops_per_s", "mfu", "data_stall_fraction"):
@@ -114,9 +119,9 @@ def test_a_checkpoint_counts_once_when_nested_and_up_to_a_summary_taken_inside_i
             clock.advance(2.0)
         with timer.phase("data_wait"):  # the checkpoint reading the loader's state: checkpoint time
             clock.advance(0.5)
-        inside = timer.summary(flops_per_token=1.0, preset="cpu", world_size=1)
+        inside = timer.summary(preset="cpu", world_size=1)
         clock.advance(4.0)
-    after = timer.summary(flops_per_token=1.0, preset="cpu", world_size=1)
+    after = timer.summary(preset="cpu", world_size=1)
 
     assert inside["checkpoint_s"] == pytest.approx(3.5) and after["checkpoint_s"] == pytest.approx(7.5)
     assert inside["data_wait_s"] == after["data_wait_s"] == pytest.approx(2 * STEP_SECONDS["data_wait"])
@@ -134,10 +139,62 @@ def test_device_work_queued_by_the_steps_is_training_time_not_checkpoint_time():
     with timer.checkpoint():
         clock.advance(3.0)
     queued.append(0.5)  # and before the summary
-    summary = timer.summary(flops_per_token=1.0, preset="cpu", world_size=1)
+    summary = timer.summary(preset="cpu", world_size=1)
     assert summary["checkpoint_s"] == pytest.approx(3.0)
     assert summary["elapsed_s"] == pytest.approx(8.0 + 1.0 + 3.0 + 0.5)
     assert summary["tokens_per_s"] == pytest.approx(4 * 512 / (8.0 + 1.0 + 0.5))
+
+
+EOS = 2
+
+
+def _packed_batch(pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Two rows of 16 as the loop trains them: examples of 6 and 4 tokens then 6 of padding; one
+    example of 12 then 4 of padding."""
+    packer = RowPacker(seq_len=16, pad_token_id=pad_token_id)
+    for prompt, response in ([1, 5, 6], [7, 8, EOS]), ([1, 9], [10, EOS]), ([1, *range(11, 19)], [20, 21, EOS]):
+        packer.add(TokenizedExample(prompt_ids=prompt, response_ids=response), describe=lambda: "example")
+    packer.finish()
+    rows = packer.take_rows()
+    return packed_rows(rows["input_ids"], rows["labels"])
+
+
+# 1000 frozen and 10 trainable weights that multiply, 2 layers of attention 8 wide.
+TINY_FLOPS = ModelFlops(frozen_matmul_weights=1000, trainable_matmul_weights=10, layers=2, attention_width=8)
+# By hand: 22 tokens of examples × (4·1010 + 2·10), plus attention 12·L·d·Σ l² over examples of 6, 4, 12 tokens.
+HAND_TOKENS, HAND_FLOPS = 22, 22 * 4060 + 12 * 2 * 8 * (6**2 + 4**2 + 12**2)
+
+
+@pytest.mark.parametrize("pad_token_id", [0, EOS], ids=["own pad token", "pad is eos"])
+def test_a_packed_batch_counts_its_examples_tokens_and_attention_within_each_example(pad_token_id):
+    # Padding is no model work, and in packed rows a token attends only within its own example (as
+    # flash varlen computes it): counting every row's width of tokens and of attention inflates MFU.
+    batch = _packed_batch(pad_token_id)
+    tokens, flops = TINY_FLOPS.of_packed_rows(batch["labels"].numpy(), batch["position_ids"].numpy())
+    assert (tokens, flops) == (HAND_TOKENS, HAND_FLOPS)
+
+
+def test_throughput_and_mfu_come_from_the_batches_trained():
+    clock = FakeClock()
+    timer = _timer(clock)
+    batch = _packed_batch(pad_token_id=0)
+    for _ in range(3):
+        with timer.phase("forward"):
+            clock.advance(2.0)
+        timer.add_batch(*TINY_FLOPS.of_packed_rows(batch["labels"].numpy(), batch["position_ids"].numpy()))
+    summary = timer.summary(preset="h100", world_size=2)
+    assert summary["tokens_per_s"] == pytest.approx(3 * HAND_TOKENS * 2 / 6.0)
+    assert summary["achieved_flops_per_s"] == pytest.approx(3 * HAND_FLOPS * 2 / 6.0)
+    assert summary["model_flops_per_token"] == pytest.approx(HAND_FLOPS / HAND_TOKENS)
+    assert summary["mfu"] == pytest.approx(3 * HAND_FLOPS / 6.0 / 989e12)
+
+
+def test_a_sequence_of_one_example_costs_what_the_per_token_formula_says():
+    # bench/gpu_mfu.py trains rows of one example each, its whole width: the same figure either way.
+    assert model_flops_per_token(1000, 10, 2, 8, 16) == TINY_FLOPS.per_token(16) == 4060 + 12 * 2 * 8 * 16
+    full_row = np.array([[*range(1, 16), EOS]])
+    tokens, flops = TINY_FLOPS.of_packed_rows(full_row, np.arange(16)[None, :])
+    assert (tokens, flops) == (16, 16 * TINY_FLOPS.per_token(16))
 
 
 def _affinity_after_pinning(*args) -> set[int]:
@@ -232,9 +289,9 @@ def test_the_auto_peak_preset_reads_the_gpus_name(preset, device, expected):
 
 def test_mfu_is_reported_only_against_a_known_peak():
     timer = StepTimer()
-    timer.tokens = 1000
-    assert "mfu" not in timer.summary(flops_per_token=1e6, preset="cpu", world_size=2)
-    on_h100 = timer.summary(flops_per_token=1e6, preset="h100", world_size=2)
+    timer.add_batch(1000, 1000 * 1e6)
+    assert "mfu" not in timer.summary(preset="cpu", world_size=2)
+    on_h100 = timer.summary(preset="h100", world_size=2)
     assert on_h100["peak_flops_per_s"] == 989e12
     assert on_h100["mfu"] == pytest.approx(on_h100["achieved_flops_per_s"] / (2 * 989e12))
 

@@ -50,7 +50,7 @@ from training_core.train.repeatable_failures import (
     stop_if_an_earlier_attempt_failed,
 )
 from training_core.train.schedule import build_lr_scheduler
-from training_core.train.telemetry import StartupClock, StepTimer, model_flops_per_token, resolve_peak_preset
+from training_core.train.telemetry import ModelFlops, StartupClock, StepTimer, resolve_peak_preset
 from training_core.train.worker_code import CodeIdentity, refuse_other_code
 
 if TYPE_CHECKING:
@@ -183,9 +183,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
 
     batches = EpochBatches(inputs, config, rank, world_size, progress.epoch, loader_state)
     startup.mark("resume_and_loader")
-    flops_per_token = model_flops_per_token(
-        *count_matmul_weights(engine.module), *attention_shape(engine.module.config), inputs.seq_len
-    )
+    model_flops = ModelFlops(*count_matmul_weights(engine.module), *attention_shape(engine.module.config))
     window = sliding_window(engine.module.config)  # packed rows' masks must hold it: the model takes them as given
     timer = StepTimer(synchronize=torch.cuda.synchronize if config.use_gpu else None)
     already_finished = progress.finished
@@ -209,7 +207,8 @@ def _run_recipe(inputs: WorkerInputs) -> None:
             with timer.phase("optimizer"):
                 engine.step()  # DeepSpeed steps the optimizer only at accumulation boundaries
             step_loss += loss.detach().float()
-            timer.tokens += batch["input_ids"].numel()
+            # the examples' tokens and FLOPs, not the rows': padding and attention across examples are no model work
+            timer.add_batch(*model_flops.of_packed_rows(batch["labels"].numpy(), batch["position_ids"].numpy()))
         unreduced_losses.append(step_loss)
         progress.step += 1
         progress.epoch = batches.epoch
@@ -232,7 +231,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
         # elapsed_s nor checkpoint_s (the driver's wall time around run_training has it).
         gpu_name = torch.cuda.get_device_name() if config.use_gpu and torch.cuda.is_available() else None
         peak_preset = resolve_peak_preset(config.peak_flops_preset, gpu_name)
-        progress.telemetry = {**timer.summary(flops_per_token, peak_preset, world_size),
+        progress.telemetry = {**timer.summary(peak_preset, world_size),
                               **{f"loader_{k}": v for k, v in batches.stats().items()},
                               **startup.durations, "time_to_first_step_s": sum(startup.durations.values()),
                               "cpu_cores_visible": len(os.sched_getaffinity(0)),  # 1 per worker when pinned

@@ -8,6 +8,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from training_core.data.packing import content_lengths
+
 # Dense bf16 peak FLOP/s per device, for MFU. CPU has no meaningful peak: report achieved FLOP/s.
 PEAK_FLOPS = {"a100": 312e12, "h100": 989e12, "h200": 989e12, "cpu": None}
 
@@ -21,14 +25,53 @@ def resolve_peak_preset(preset: str, device_name: str | None) -> str:
     return next((gpu for gpu in ("h200", "h100", "a100") if gpu in name), "cpu")
 
 
+@dataclass(frozen=True)
+class ModelFlops:
+    """Training FLOPs of a model, as in PaLM's MFU formula (Chowdhery et al. 2022, appendix B),
+    counting only weights that multiply (linear layers; embeddings are lookups): per token, forward
+    2N + activation gradients 2N for every such weight, weight gradients 2N only for trainable ones
+    (LoRA freezes the rest), plus attention scores and values, forward and backward,
+    12·L·(heads·head_dim)·T for a token of a sequence of T tokens. Like PaLM, attention is not halved
+    for causality: a sequence of T tokens costs 12·L·d·T² of it."""
+
+    frozen_matmul_weights: int
+    trainable_matmul_weights: int
+    layers: int
+    attention_width: int  # heads × head_dim (model_setup.attention_shape)
+
+    def per_token(self, sequence_length: int) -> float:
+        """FLOPs for one token of a sequence of ``sequence_length`` tokens."""
+        weights = self.frozen_matmul_weights + self.trainable_matmul_weights
+        dense = 4.0 * weights + 2.0 * self.trainable_matmul_weights
+        return dense + 12.0 * self.layers * self.attention_width * sequence_length
+
+    def of_packed_rows(self, labels: np.ndarray, position_ids: np.ndarray) -> tuple[int, float]:
+        """(tokens, FLOPs) of packed rows as the loop trains them (packed_attention.packed_rows): each
+        example attends only within itself, so one of l tokens costs l·per_token(l) whatever the row's
+        width; padding is no model work (though sdpa and eager attention compute it) and counts in neither."""
+        lengths = packed_example_lengths(labels, position_ids)
+        tokens = int(lengths.sum())
+        squares = float(np.square(lengths, dtype=np.float64).sum())
+        return tokens, tokens * self.per_token(0) + 12.0 * self.layers * self.attention_width * squares
+
+
 def model_flops_per_token(frozen_matmul_weights: int, trainable_matmul_weights: int, layers: int,
                           attention_width: int, seq_len: int) -> float:
-    """Training FLOPs per token, as in PaLM's MFU formula, counting only weights that multiply
-    (linear layers; embeddings are lookups): forward 2N + activation gradients 2N for every such
-    weight, weight gradients 2N only for trainable ones (LoRA freezes the rest), plus attention
-    scores and values 12·L·(heads·head_dim)·T."""
-    weights = frozen_matmul_weights + trainable_matmul_weights
-    return 4.0 * weights + 2.0 * trainable_matmul_weights + 12.0 * layers * attention_width * seq_len
+    """Training FLOPs per token of sequences of ``seq_len`` tokens, each one whole example
+    (:class:`ModelFlops`): what a benchmark on rows of one example each does."""
+    return ModelFlops(frozen_matmul_weights, trainable_matmul_weights, layers, attention_width).per_token(seq_len)
+
+
+def packed_example_lengths(labels: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+    """Every example's length in tokens across packed rows ([n, width] labels and position ids, as
+    packed_attention.packed_rows gives them), padding left out. An example starts where its position
+    id is 0; a row's content ends with its last trained label, its last example's eos
+    (packing.content_lengths): the padding after it is not part of that example."""
+    starts = position_ids == 0
+    content = np.arange(labels.shape[1]) < content_lengths(labels)[:, None]
+    # Each row starts an example, so numbering the starts over the flattened rows numbers every example.
+    example = np.cumsum(starts.ravel()) - 1
+    return np.bincount(example[content.ravel()])
 
 
 STEP_PHASES = ("data_wait", "forward", "backward", "optimizer")
@@ -41,7 +84,10 @@ class StepTimer:
     The loop's wall time (`elapsed_s`, from creation to `summary`) splits into checkpoint time
     (`checkpoint_s`: every `checkpoint()` block) and training time, the rest: the step phases plus
     the bookkeeping between them. Throughput (tokens/s, FLOP/s, MFU) is over training time, so a
-    run that checkpoints more often does not look slower at the same step speed."""
+    run that checkpoints more often does not look slower at the same step speed.
+
+    `tokens` and `model_flops` are what the loop adds per micro-batch (:meth:`ModelFlops.of_packed_rows`):
+    tokens of examples, padding left out, and the model FLOPs of exactly those batches."""
 
     data_wait_s: float = 0.0
     forward_s: float = 0.0
@@ -49,7 +95,8 @@ class StepTimer:
     optimizer_s: float = 0.0
     checkpoint_s: float = 0.0
     steps: int = 0
-    tokens: int = 0
+    tokens: int = 0  # trained through the model: padding left out
+    model_flops: float = 0.0
     # Wall and CPU clocks, replaceable in tests.
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False, compare=False)
     cpu_clock: Callable[[], float] = field(default=time.thread_time, repr=False, compare=False)
@@ -101,7 +148,13 @@ class StepTimer:
             self._wait_for_device()
             self._close_checkpoint()
 
-    def summary(self, flops_per_token: float, preset: str, world_size: int) -> dict:
+    def add_batch(self, tokens: int, model_flops: float) -> None:
+        self.tokens += tokens
+        self.model_flops += model_flops
+
+    def summary(self, preset: str, world_size: int) -> dict:
+        """Throughput of this worker's batches, times ``world_size`` for the whole run: `tokens_per_s`
+        counts tokens of examples (no padding); `model_flops_per_token` is the run's average."""
         self._wait_for_device()
         now = self.clock()
         elapsed = max(now - self.started, 1e-9)
@@ -110,7 +163,7 @@ class StepTimer:
         training = max(elapsed - checkpoint, 1e-9)
         busy = self.data_wait_s + self.forward_s + self.backward_s + self.optimizer_s
         tokens_per_s = self.tokens * world_size / training
-        achieved = tokens_per_s * flops_per_token
+        achieved = self.model_flops * world_size / training
         peak = PEAK_FLOPS.get(preset)
         result = {
             **{f"{phase}_s": getattr(self, f"{phase}_s") for phase in STEP_PHASES},
@@ -120,7 +173,7 @@ class StepTimer:
             "elapsed_s": elapsed,
             "tokens_per_s": tokens_per_s,
             "data_stall_fraction": self.data_wait_s / busy if busy else 0.0,
-            "model_flops_per_token": flops_per_token,
+            "model_flops_per_token": self.model_flops / self.tokens if self.tokens else 0.0,
             "achieved_flops_per_s": achieved,
             "peak_memory_mb": peak_memory_mb(),
         }
