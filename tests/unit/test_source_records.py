@@ -66,6 +66,28 @@ def test_a_null_field_is_told_apart_from_a_missing_one(tmp_path):
         read_records(array)
 
 
+def test_a_parquet_column_named_twice_is_refused_as_a_csv_header_naming_it_twice_is(tmp_path):
+    # Read by name, the last 'prompt' column was taken silently: a dataset built from the wrong text.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_arrays([pa.array(["question 1", "question 2"]), pa.array(["a", "b"]), pa.array(["sys", "sys"])],
+                                 names=["prompt", "response", "prompt"])
+    pq.write_table(table, tmp_path / "twice.parquet")
+    with pytest.raises(SourceDataError, match=r"twice\.parquet: column\(s\) \['prompt'\] appear more than once in the "
+                                              r"schema \['prompt', 'response', 'prompt'\]"):
+        read_records(tmp_path / "twice.parquet")
+
+
+def test_a_csv_of_lone_carriage_returns_is_read_a_row_at_a_time_with_its_line_numbers(tmp_path):
+    # Classic Mac OS line ends: csv's line numbers are those of the text read whole.
+    (tmp_path / "mac.csv").write_bytes(b"prompt,response\r\"two\rlines\",ok\rp,\r")
+    with pytest.raises(SourceDataError, match=r"line 4 of .*mac\.csv: field 'response' must be a non-empty string"):
+        read_records(tmp_path / "mac.csv")
+    (tmp_path / "mac.csv").write_bytes(b"prompt,response\r\"two\rlines\",ok\rp,r\r")
+    assert read_records(tmp_path / "mac.csv") == [{"prompt": "two\rlines", "response": "ok"}, {"prompt": "p", "response": "r"}]
+
+
 def test_parquet_errors_say_rows_are_0_based_like_json_array_items(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

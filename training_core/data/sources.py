@@ -279,12 +279,13 @@ _CSV_LINE_BREAK = re.compile(r"[^\r]*(?:\r\n?|$)")
 
 def _csv_lines(file: SourceFile) -> Iterator[str]:
     """The file's lines as csv reads them from a file opened with newline="": a lone "\r" ends a
-    line too, so csv's line count, and so the line numbers in messages, are those of the whole text."""
+    line too, so csv's line count, and so the line numbers in messages, are those of the whole text.
+    (A file whose lines all end in a lone "\r", as classic Mac OS wrote, arrives as one text line.)"""
     for _, line in _text_lines(file):
         if "\r" not in line:
             yield line
             continue
-        yield from (piece for piece in _CSV_LINE_BREAK.findall(line) if piece)
+        yield from (match[0] for match in _CSV_LINE_BREAK.finditer(line) if match[0])
 
 
 def _read_csv(file: SourceFile) -> Iterator[tuple[dict[str, str], int]]:
@@ -336,6 +337,9 @@ def _read_parquet(file: SourceFile) -> Iterator[tuple[dict[str, str], int]]:
         missing = [f for f in REQUIRED_FIELDS if f not in names]
         if missing:
             raise SourceDataError(f"{file}: schema lacks column(s) {missing}")
+        # Read by name, a repeated column would be taken silently (the last one), as no CSV header may repeat one.
+        if repeated := [f for f in REQUIRED_FIELDS if names.count(f) > 1]:
+            raise SourceDataError(f"{file}: column(s) {repeated} appear more than once in the schema {names}")
         batches = parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=list(REQUIRED_FIELDS))
         row_index = 0
         while True:
