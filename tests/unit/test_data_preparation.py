@@ -121,7 +121,7 @@ def test_a_record_whose_text_holds_a_special_token_is_refused_naming_it(tmp_path
     import re
 
     from training_core.data.frozen_records import freeze_records
-    from training_core.data.sources import read_records_with_origins
+    from tests.unit.source_support import read_records_with_origins
     from training_core.errors import SourceDataError
 
     tokenizer = local_tokenizer(tmp_path / "tokenizer", bos_token="<s>", eos_token="</s>")  # Llama-style
@@ -211,7 +211,7 @@ def test_an_overlong_record_in_the_eval_split_is_refused_like_one_in_the_train_s
     import pytest
 
     from training_core.data.frozen_records import freeze_records
-    from training_core.data.sources import read_records_with_origins
+    from tests.unit.source_support import read_records_with_origins
     from training_core.errors import SourceDataError
 
     tokenizer = load_tokenizer(demo_model.name_or_path)

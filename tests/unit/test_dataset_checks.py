@@ -217,7 +217,8 @@ def _frozen_source(directory: Path, records: list[dict[str, str]]) -> tuple[Path
     beside: (the user's file, its records, the frozen copy's path)."""
     import json
 
-    from training_core.data.sources import ORIGINS_FILE, read_records_with_origins
+    from tests.unit.source_support import read_records_with_origins
+    from training_core.data.sources import ORIGINS_FILE
 
     source = directory / "mine.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in records))

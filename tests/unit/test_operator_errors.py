@@ -258,7 +258,7 @@ def test_a_csv_field_longer_than_the_csv_modules_default_limit_is_read_and_named
     from training_core.base_model import load_tokenizer
     from training_core.data.dataset_writer import DatasetSpec, write_dataset
     from training_core.data.frozen_records import freeze_records
-    from training_core.data.sources import read_records_with_origins
+    from tests.unit.source_support import read_records_with_origins
 
     long_prompt = "x " * 70_000  # 140 000 characters: over csv's 131 072, valid CSV all the same
     source = tmp_path / "long.csv"

@@ -13,7 +13,7 @@ import fsspec
 import pytest
 
 from training_core.data.dataset_writer import DatasetSpec, write_dataset
-from training_core.data.sources import read_records, read_records_with_origins
+from tests.unit.source_support import read_records, read_records_with_origins
 from training_core.errors import EmptyPartitionError, SourceDataError
 
 
@@ -229,7 +229,7 @@ def test_files_inside_hidden_or_underscore_folders_are_not_source_data(tmp_path)
 
 def test_records_keep_where_they_came_from_and_an_overlong_one_names_the_users_file(tmp_path, demo_model):
     from training_core.base_model import load_tokenizer
-    from training_core.data.sources import ORIGINS_FILE, RecordOrigins, read_records_with_origins
+    from training_core.data.sources import ORIGINS_FILE, RecordOrigins
 
     source = tmp_path / "source"
     source.mkdir()

@@ -460,14 +460,3 @@ def iter_records(source: str | Path, origins: RecordOrigins | None = None) -> It
             if origins is not None:
                 origins.add(file_index, number)
             yield record
-
-
-def read_records(source: str | Path) -> list[dict[str, str]]:
-    """All records from every data file at `source`, in file order (a list: see `iter_records`)."""
-    return list(iter_records(source))
-
-
-def read_records_with_origins(source: str | Path) -> tuple[list[dict[str, str]], RecordOrigins]:
-    """All records from every data file at `source`, in file order, and where each came from."""
-    origins = RecordOrigins()
-    return list(iter_records(source, origins)), origins
