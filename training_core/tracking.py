@@ -114,6 +114,7 @@ class MlflowTracking:
     def log_training(self, run_id: str, *, result) -> None:
         """What the run produced: metrics, loss curve, plots, DeepSpeed config and the model."""
         from training_core.plots import plot_loss_curve, plot_step_time
+        from training_core.train.telemetry import THROUGHPUT_COUNTING
 
         client = self.client
         numeric = {k: float(v) for k, v in result.telemetry.items() if isinstance(v, (int, float))}
@@ -122,7 +123,7 @@ class MlflowTracking:
             run_id,
             metrics=summary,
             series={"train_loss": result.loss_history},
-            tags={"model_dir": result.model_dir},
+            tags={"model_dir": result.model_dir, "tessera.throughput_counting": THROUGHPUT_COUNTING},
         )
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)

@@ -268,3 +268,24 @@ def test_a_deleted_experiment_is_refused_naming_the_restore_command(tmp_path: Pa
         MlflowTracking(uri, tmp_path / "artifacts")
     tracking.client.restore_experiment(tracking.experiment_id)
     assert MlflowTracking(uri, tmp_path / "artifacts").experiment_id == tracking.experiment_id
+
+
+def test_a_runs_throughput_metrics_carry_what_they_count(tmp_path: Path):
+    # tokens_per_s and mfu changed definition on 2026-12-06 under the same names: the tag tells a
+    # dashboard which definition a run's figures follow (runs without it counted padding).
+    from training_core.train.result import TrainingResult
+    from training_core.train.telemetry import THROUGHPUT_COUNTING
+
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "adapter_model.safetensors").write_bytes(b"weights")
+    run_id = tracking.start_run("train", tags={})
+    result = TrainingResult(run_name="train", model_dir=str(model), steps=2, restarts=0,
+                            loss_history=[(1, 2.0), (2, 1.5)], telemetry={"tokens_per_s": 10.0, "mfu": 0.25},
+                            deepspeed_config={})
+    tracking.log_training(run_id, result=result)
+    run = tracking.client.get_run(run_id)
+    assert run.data.tags["tessera.throughput_counting"] == THROUGHPUT_COUNTING == (
+        "example tokens, attention within each example")
+    assert run.data.metrics["tokens_per_s"] == 10.0 and run.data.metrics["mfu"] == 0.25
