@@ -15,6 +15,7 @@ from training_core.data.demo_task import MAX_RECORDS_PER_PARTITION, generate_rec
 from training_core.data.frozen_records import freeze_records
 from training_core.data.quality import DATASET_CHECK_NAMES, MAX_REPEATED_RECORDS, run_dataset_checks
 from training_core.data.sources import RecordOrigins, iter_records
+from training_core.redaction import redact_uri
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,10 @@ def raw_examples(context: dg.AssetExecutionContext, config: RawExamplesConfig, s
     else:
         origins = RecordOrigins()
         records = iter_records(source, origins)  # read as written: memory holds a record, not the day
+    shown = redact_uri(source)  # the event log keeps no password or signature of the URI
     frozen = freeze_records(records, origins, storage.folder("datasets") / "raw" / day,
-                            source_label=f"partition {day}: source {source}")
-    context.log.info("partition %s: %d records from %s", day, frozen.records, source)
+                            source_label=f"partition {day}: source {shown}")
+    context.log.info("partition %s: %d records from %s", day, frozen.records, shown)
     return dg.Output(
         RawPartition(path=str(frozen.path), records=frozen.records, digest=frozen.digest),
         # not `path`: the IO manager records the path of its pickle under that key

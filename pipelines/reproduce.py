@@ -24,6 +24,7 @@ from resources.ray_cluster import (
 from training_core.data.window import eval_records
 from training_core.errors import ConfigError, LineageError, TesseraError
 from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
+from training_core.redaction import redact_uri
 from training_core.reproduce import compare_runs, lineage_drift, load_recorded_run
 from training_core.runs import run_tracked_training
 from training_core.tracking import MlflowTracking
@@ -56,8 +57,8 @@ def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None
     except Exception as error:  # noqa: BLE001 - SQLAlchemy/driver errors of a damaged or locked store
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         console.print(f"[red]cannot reproduce:[/] cannot open the MLflow tracking store "
-                      f"{escape(tracker.tracking_uri or str(store))}: {escape(reason)} (is it damaged, not an "
-                      f"MLflow store, or locked by another process?)")
+                      f"{escape(redact_uri(tracker.tracking_uri or str(store)))}: {escape(redact_uri(reason))} "
+                      "(is it damaged, not an MLflow store, or locked by another process?)")
         return 2
     try:
         recorded = load_recorded_run(tracking, run_id, str(cache.config().directory), storage.base_model_digests)

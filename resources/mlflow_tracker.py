@@ -5,6 +5,7 @@ import dagster as dg
 from pydantic import Field
 
 from resources.paths import TesseraStorage
+from training_core.redaction import redact_uri
 from training_core.tracking import MlflowTracking
 
 
@@ -41,7 +42,7 @@ def check_tracking_uri(uri: str) -> None:
 
     scheme = urlparse(uri).scheme.split("+")[0]
     if scheme not in TRACKING_SCHEMES:
-        raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: expected a URI with scheme "
+        raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: expected a URI with scheme "
                           f"{'/'.join(TRACKING_SCHEMES)} (e.g. sqlite:////data/mlflow.db or http://mlflow:5000)")
     if scheme in ("http", "https"):
         _check_server_listens(uri, scheme)
@@ -62,11 +63,11 @@ def _check_sqlite_uri(uri: str, scheme: str) -> None:
         problem = ("names no database file, so SQLite would keep every run in memory and lose them when the "
                    "process ends" if uri.startswith(prefix) or uri.rstrip("/") == f"{scheme}:"
                    else "is not a SQLite URL MLflow can open")
-        raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: {problem}; use sqlite:///<file path> "
+        raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: {problem}; use sqlite:///<file path> "
                           "(sqlite:////data/mlflow.db for /data/mlflow.db)")
     path = Path(database)
     if str(path) != ":memory:" and not path.parent.is_dir():
-        raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: folder {path.parent} does not exist")
+        raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: folder {path.parent} does not exist")
 
 
 SERVER_CONNECT_TIMEOUT_S = 30.0  # rides out a server restart; a wrong URI fails in 30 s, not ~4 min
@@ -83,9 +84,9 @@ def _check_server_listens(uri: str, scheme: str) -> None:
 
     parsed = urlparse(uri)
     if not parsed.hostname:
-        raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: no host name")
+        raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: no host name")
     port = parsed.port or (443 if scheme == "https" else 80)
     if error := connection_refusal(parsed.hostname, port, SERVER_CONNECT_TIMEOUT_S):
-        raise ConfigError(f"mlflow_tracker.tracking_uri {uri!r}: no MLflow server accepted a connection at "
+        raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: no MLflow server accepted a connection at "
                           f"{parsed.hostname}:{port} within {SERVER_CONNECT_TIMEOUT_S:g} s ({error}); start it "
                           "(`mlflow server --port ...`) or fix the URI")

@@ -17,9 +17,10 @@ from training_core.base_model import HubRevision, base_model_changes, hub_branch
 from training_core.errors import ConfigError, LineageError
 from training_core.evaluate.settings import EvalSettings
 from training_core.lineage import code_version, installed_version, parse_dataset_paths
+from training_core.redaction import redact_uri
 from training_core.runs import TrainingInputs
 from training_core.storage import changed_files, directory_digest
-from training_core.tracking import MlflowTracking
+from training_core.tracking import MlflowTracking, restore_credentials_hint
 from training_core.train.config import TrainingConfig, config_values_digest, dotted_settings, parse_training_config
 
 CONFIG_ARTIFACT = "training_config.json"
@@ -146,7 +147,7 @@ def _finished_run(tracking: MlflowTracking, run_id: str):
         run = tracking.client.get_run(run_id)
     except MlflowException as error:
         if error.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
-            raise LineageError(f"MLflow run {run_id} not found at {tracking.tracking_uri}") from error
+            raise LineageError(f"MLflow run {run_id} not found at {redact_uri(tracking.tracking_uri)}") from error
         if error.error_code == ErrorCode.Name(INVALID_PARAMETER_VALUE):
             raise LineageError(f"{run_id!r} is not an MLflow run id (a 32-character hex id, "
                                f"as shown in the MLflow UI)") from error
@@ -156,7 +157,8 @@ def _finished_run(tracking: MlflowTracking, run_id: str):
     if run.info.lifecycle_stage == "deleted":  # in the trash: `mlflow gc` may purge it and its artifacts any time
         raise LineageError(
             f"MLflow run {run_id} is deleted; restore it first with "
-            f"`MLFLOW_TRACKING_URI={tracking.tracking_uri} mlflow runs restore --run-id {run_id}`")
+            f"`MLFLOW_TRACKING_URI={redact_uri(tracking.tracking_uri)} mlflow runs restore --run-id {run_id}`"
+            f"{restore_credentials_hint(tracking.tracking_uri)}")
     status = run.info.status
     if status in ("RUNNING", "SCHEDULED"):
         raise LineageError(
@@ -170,8 +172,9 @@ def _finished_run(tracking: MlflowTracking, run_id: str):
 
 
 def _unreadable_store(tracking: MlflowTracking, run_id: str, reason: str) -> LineageError:
-    return LineageError(f"cannot read MLflow run {run_id} from the tracking store at {tracking.tracking_uri}: "
-                        f"{reason} (is the store locked by another process or damaged?)")
+    return LineageError(f"cannot read MLflow run {run_id} from the tracking store at "
+                        f"{redact_uri(tracking.tracking_uri)}: {redact_uri(reason)} (is the store locked by another "
+                        "process or damaged?)")
 
 
 def _recorded_config_values(tracking: MlflowTracking, run_id: str) -> dict:
@@ -184,7 +187,7 @@ def _recorded_config_values(tracking: MlflowTracking, run_id: str) -> dict:
             text = Path(tracking.client.download_artifacts(run_id, CONFIG_ARTIFACT, folder)).read_bytes()
         except (MlflowException, OSError) as error:
             raise LineageError(f"run {run_id}: cannot read its artifact {CONFIG_ARTIFACT} from "
-                               f"{tracking.tracking_uri}: {error}") from error
+                               f"{redact_uri(tracking.tracking_uri)}: {redact_uri(str(error))}") from error
     try:
         values = json.loads(text)
     except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8

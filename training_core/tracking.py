@@ -15,6 +15,7 @@ from pathlib import Path
 
 from training_core.errors import ConfigError, LineageError
 from training_core.lineage import LARGEST_CODE_PATCH, REPO_ROOT, CodeChanges, hardware_tags, uncommitted_code_changes
+from training_core.redaction import redact_uri
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,13 @@ def _write_code_changes(changes: CodeChanges, folder: Path, run_id: str) -> None
         "patch was saved; this run's code cannot be recovered from MLflow.\n" + "\n".join(changes.files) + "\n")
 
 
+def restore_credentials_hint(tracking_uri: str) -> str:
+    """Said after a command that names the tracking URI redacted: run it with the real credentials."""
+    if redact_uri(tracking_uri) == tracking_uri:
+        return ""
+    return " (export MLFLOW_TRACKING_URI with the real credentials where it shows ***)"
+
+
 class MlflowTracking:
     def __init__(self, tracking_uri: str, artifact_root: Path, experiment: str = "tessera"):
         from mlflow.tracking import MlflowClient
@@ -63,11 +71,12 @@ class MlflowTracking:
             artifact_root.mkdir(parents=True, exist_ok=True)
             self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_root.resolve().as_uri())
         elif existing.lifecycle_stage == "deleted":  # MLflow refuses new runs in it, and lists none of its runs
+            shown = redact_uri(tracking_uri)
             raise ConfigError(
-                f"MLflow experiment {experiment!r} (id {existing.experiment_id}) at {tracking_uri} is deleted: "
-                f"restore it with `MLFLOW_TRACKING_URI={tracking_uri} mlflow experiments restore --experiment-id "
-                f"{existing.experiment_id}` (its runs come back with it), or name another experiment "
-                "(the mlflow_tracker resource's experiment)")
+                f"MLflow experiment {experiment!r} (id {existing.experiment_id}) at {shown} is deleted: restore it "
+                f"with `MLFLOW_TRACKING_URI={shown} mlflow experiments restore --experiment-id "
+                f"{existing.experiment_id}`{restore_credentials_hint(tracking_uri)} (its runs come back with "
+                "it), or name another experiment (the mlflow_tracker resource's experiment)")
         else:
             self.experiment_id = existing.experiment_id
             _check_artifact_location(experiment, existing.artifact_location, artifact_root)

@@ -10,9 +10,9 @@ linked into the export is part of it, a folder reached twice through links is re
 to nothing is refused by name.
 
 Every malformed record raises `SourceDataError` naming the file (as the user wrote it, URI scheme
-included) and line (JSONL/CSV: 1-based line number, where the row starts; a `.json` array: 0-based
-item; Parquet: 0-based row index), so the fix is one edit away. Text files must be UTF-8 (a
-byte-order mark is allowed).
+included; a URI's password and query values are shown as "***") and line (JSONL/CSV: 1-based line
+number, where the row starts; a `.json` array: 0-based item; Parquet: 0-based row index), so the fix
+is one edit away. Text files must be UTF-8 (a byte-order mark is allowed).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 import fsspec
 import fsspec.core
@@ -43,6 +44,7 @@ from training_core.data.local_folders import (
     walk_local_files,
 )
 from training_core.errors import SourceDataError
+from training_core.redaction import redact_uri
 
 
 REQUIRED_FIELDS = ("prompt", "response")
@@ -56,7 +58,8 @@ SHOWN_REFUSED_FILES = 5
 @dataclass(frozen=True)
 class SourceFile:
     """One data file, read through `fs` (fsspec) at `path`; `location` is how messages and origins show
-    it: the local path, or the URI with its scheme (`s3://bucket/day/a.jsonl`)."""
+    it: the local path, or the URI with its scheme (`s3://bucket/day/a.jsonl`) and its credentials
+    redacted (`http://alice:***@host/a.jsonl?sig=***`)."""
 
     location: str
     path: str
@@ -68,7 +71,9 @@ class SourceFile:
     @property
     def suffix(self) -> str:
         """Lower case, a `.gz` kept with the suffix it compresses: 'A.JSONL.GZ' -> '.jsonl.gz'."""
-        path = PurePosixPath(self.path.lower())
+        # An HTTP(S) file's path is its whole URL: a query (a presigned URL's signature) follows the name.
+        name = urlsplit(self.path).path if "://" in self.path else self.path
+        path = PurePosixPath(name.lower())
         return PurePosixPath(path.stem).suffix + ".gz" if path.suffix == ".gz" else path.suffix
 
     @property
@@ -84,7 +89,21 @@ class SourceFile:
 
 def _cause(error: Exception) -> str:
     # An OSError says what it is ("[Errno 13] Permission denied"); a store's own types may not.
-    return str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
+    # Either may quote the URL it was given, credentials included (fsspec's FileNotFoundError does).
+    return redact_uri(str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}")
+
+
+def _chainable(error: Exception) -> Exception | None:
+    """`error`, or None where its text or that of an error it chains quotes credentials: a traceback,
+    and Dagster's event log, would show them (the message names its cause, redacted, by `_cause`)."""
+    chained: BaseException | None = error
+    seen = set()
+    while chained is not None and id(chained) not in seen:
+        if redact_uri(str(chained)) != str(chained):
+            return None
+        seen.add(id(chained))
+        chained = chained.__cause__ or chained.__context__
+    return error
 
 
 def _list_local(path: Path, shown_as: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
@@ -111,11 +130,13 @@ def _list_local(path: Path, shown_as: str) -> tuple[bool, list[tuple[str, Source
 
 
 def _list_uri(uri: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
-    """As `_list_local`, for an fsspec URI; names keep the URI as written, scheme included."""
+    """As `_list_local`, for an fsspec URI; names keep the URI as written, scheme included, its
+    credentials redacted."""
+    shown = redact_uri(uri)
     try:
         fs, root = fsspec.core.url_to_fs(uri)
     except Exception as error:  # ImportError: s3fs/gcsfs not installed; ValueError: unknown protocol
-        raise SourceDataError(f"source {uri}: cannot open its filesystem ({_cause(error)})") from error
+        raise SourceDataError(f"source {shown}: cannot open its filesystem ({_cause(error)})") from _chainable(error)
     if isinstance(fs, LocalFileSystem):  # file://: links are followed as for a plain path
         return _list_local(Path(root), uri)
     try:
@@ -123,15 +144,15 @@ def _list_uri(uri: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
         is_file = exists and fs.isfile(root)
         found = fs.find(root) if exists and not is_file else []
     except Exception as error:  # a store's own types too: botocore's NoCredentialsError is no OSError
-        raise SourceDataError(f"source {uri}: cannot be listed ({_cause(error)})") from error
+        raise SourceDataError(f"source {shown}: cannot be listed ({_cause(error)})") from _chainable(error)
     if not exists:
-        raise SourceDataError(f"source path {uri} does not exist")
+        raise SourceDataError(f"source path {shown} does not exist")
     if is_file:
-        return False, [(PurePosixPath(root).name, SourceFile(uri, root, fs))]
+        return False, [(PurePosixPath(root).name, SourceFile(shown, root, fs))]
     base = root.rstrip("/") + "/"
     relative = sorted((p[len(base):] for p in found if p.startswith(base) and len(p) > len(base)),
                       key=lambda r: PurePosixPath(r).parts)  # parts, as local Paths sort
-    return True, [(r, SourceFile(f"{uri.rstrip('/')}/{r}", base + r, fs)) for r in relative if not is_hidden_or_underscore(r)]
+    return True, [(r, SourceFile(f"{shown.rstrip('/')}/{r}", base + r, fs)) for r in relative if not is_hidden_or_underscore(r)]
 
 
 def list_source_files(source: str | Path) -> list[SourceFile]:
@@ -142,8 +163,8 @@ def list_source_files(source: str | Path) -> list[SourceFile]:
     if not text.strip():
         raise SourceDataError("source is empty; give a JSONL/CSV/Parquet file or a folder of them (a path or a URI)")
     # As in parquet_files: "://" marks a URI, whose path is the store's (never `~`-expanded).
-    root = text if "://" in text else str(Path(text).expanduser())
-    is_folder, found = _list_uri(text) if "://" in text else _list_local(Path(root), root)
+    root = redact_uri(text) if "://" in text else str(Path(text).expanduser())  # as messages show it
+    is_folder, found = _list_uri(text) if "://" in text else _list_local(Path(root), root)  # text: the real URI
     if not is_folder:
         file = found[0][1]
         if file.format is None:
@@ -181,7 +202,7 @@ def _byte_lines(file: SourceFile) -> Iterator[bytes]:
     try:
         handle = file.fs.open(file.path, "rb")
     except Exception as error:  # a store's own types too (no credentials, access denied)
-        raise SourceDataError(f"{file}: cannot be read ({_cause(error)})") from error
+        raise SourceDataError(f"{file}: cannot be read ({_cause(error)})") from _chainable(error)
     with handle:
         stream = gzip.GzipFile(fileobj=handle, mode="rb") if file.suffix.endswith(".gz") else handle
         lines = iter(stream)
@@ -193,7 +214,7 @@ def _byte_lines(file: SourceFile) -> Iterator[bytes]:
             except _GZIP_ERRORS as error:  # BadGzipFile is an OSError, so judged before the others
                 raise _gzip_error(file, error) from error
             except Exception as error:
-                raise SourceDataError(f"{file}: cannot be read ({_cause(error)})") from error
+                raise SourceDataError(f"{file}: cannot be read ({_cause(error)})") from _chainable(error)
             yield line
 
 
@@ -327,13 +348,14 @@ def _read_parquet(file: SourceFile) -> Iterator[tuple[dict[str, str], int]]:
     try:
         handle = file.fs.open(file.path, "rb")
     except Exception as error:  # a store's own types too (no credentials, access denied)
-        raise SourceDataError(f"{file}: cannot be read ({_cause(error)})") from error
+        raise SourceDataError(f"{file}: cannot be read ({_cause(error)})") from _chainable(error)
     with handle:
         try:
             parquet = pq.ParquetFile(handle)
             names = parquet.schema_arrow.names
         except Exception as error:  # pyarrow raises several types for unreadable files
-            raise SourceDataError(f"{file}: not a readable Parquet file ({error})") from error
+            raise SourceDataError(
+                f"{file}: not a readable Parquet file ({redact_uri(str(error))})") from _chainable(error)
         missing = [f for f in REQUIRED_FIELDS if f not in names]
         if missing:
             raise SourceDataError(f"{file}: schema lacks column(s) {missing}")
@@ -348,7 +370,8 @@ def _read_parquet(file: SourceFile) -> Iterator[tuple[dict[str, str], int]]:
             except StopIteration:
                 return
             except Exception as error:  # a damaged row group, or the store failing mid-read
-                raise SourceDataError(f"{file}: not a readable Parquet file ({error})") from error
+                raise SourceDataError(
+                    f"{file}: not a readable Parquet file ({redact_uri(str(error))})") from _chainable(error)
             for row in batch.to_pylist():
                 yield _validated(row, f"row {row_index} (0-based) of {file}"), row_index
                 row_index += 1
@@ -454,7 +477,7 @@ def iter_records(source: str | Path, origins: RecordOrigins | None = None) -> It
         else:
             unit, rows = "row", _read_parquet(file)
         if origins is not None:
-            origins.files.append((file.location, unit))  # the URI with its scheme: later messages name it
+            origins.files.append((file.location, unit))  # the URI with its scheme (redacted): later messages name it
         file_index = len(origins.files) - 1 if origins is not None else 0
         for record, number in rows:
             if origins is not None:
