@@ -48,6 +48,25 @@ def check_tracking_uri(uri: str) -> None:
         _check_server_listens(uri, scheme)
     if scheme == "sqlite":
         _check_sqlite_uri(uri, urlparse(uri).scheme)
+    if scheme in ("postgresql", "mysql", "mssql"):
+        _check_database_driver(uri)
+
+
+def _check_database_driver(uri: str) -> None:
+    """The Python driver SQLAlchemy opens a database store with is installed: without it the first
+    MLflow call failed with "No module named 'psycopg'", which `tessera reproduce` took for a damaged store."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    from training_core.errors import ConfigError
+
+    try:
+        make_url(uri).get_dialect().import_dbapi()
+    except (ArgumentError, NoSuchModuleError, ImportError) as error:
+        missing = getattr(error, "name", None)
+        problem = (f"its database driver, the Python module {missing!r}, is not installed here; install it, or "
+                   f"name an installed driver as scheme+driver://" if missing else f"no SQLAlchemy driver for it ({error})")
+        raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: {problem}") from None
 
 
 def _check_sqlite_uri(uri: str, scheme: str) -> None:

@@ -282,9 +282,22 @@ def test_mlflow_tracking_uris_that_would_misread_or_start_empty_are_refused(uri,
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
-        for good in (f"http://127.0.0.1:{server.getsockname()[1]}", "postgresql+psycopg2://u@db/mlflow",
-                     "sqlite:///:memory:"):
+        for good in (f"http://127.0.0.1:{server.getsockname()[1]}", "sqlite:///:memory:"):
             check_tracking_uri(good)
+
+
+def test_a_database_tracking_uri_whose_driver_is_not_installed_names_the_module_not_a_damaged_store():
+    import importlib.util
+
+    from resources.mlflow_tracker import check_tracking_uri
+
+    if importlib.util.find_spec("pyodbc") is not None:
+        pytest.skip("pyodbc is installed here: SQL Server's driver is not missing")
+    with pytest.raises(ConfigError, match=r"^mlflow_tracker.tracking_uri 'mssql://mlflow:\*\*\*@db/mlflow': its database "
+                                          r"driver, the Python module 'pyodbc', is not installed here"):
+        check_tracking_uri("mssql://mlflow:secret@db/mlflow")
+    with pytest.raises(ConfigError, match=r"'postgresql\+nosuchdriver://db/mlflow': no SQLAlchemy driver for it"):
+        check_tracking_uri("postgresql+nosuchdriver://db/mlflow")
 
 
 def test_an_mlflow_server_uri_where_nothing_listens_fails_at_once_not_after_minutes_of_retries(monkeypatch):
