@@ -14,7 +14,7 @@ class MlflowTracker(dg.ConfigurableResource):
 
     storage: dg.ResourceDependency[TesseraStorage]
     tracking_uri: str | None = Field(
-        None, description="MLflow tracking URI; default sqlite:///<home>/mlflow.db. Credentials only via EnvVar."
+        None, description="MLflow tracking URI; default sqlite:///<home>/mlflow.db. A server's credentials go in MLFLOW_TRACKING_USERNAME/PASSWORD, a database's via EnvVar."
     )
     experiment: str = Field("tessera", description="MLflow experiment name")
     ui_url: str = Field("http://127.0.0.1:5000", description="MLflow UI base URL, for links in Dagster")
@@ -45,6 +45,12 @@ def check_tracking_uri(uri: str) -> None:
         raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: expected a URI with scheme "
                           f"{'/'.join(TRACKING_SCHEMES)} (e.g. sqlite:////data/mlflow.db or http://mlflow:5000)")
     if scheme in ("http", "https"):
+        if urlparse(uri).password is not None:
+            # MLflow's own errors quote the server URI as given (a dropped connection mid-run would put
+            # the password in Dagster's event log); the client reads credentials from these variables.
+            raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: carries a password, which MLflow's "
+                              "errors would print; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                              "MLFLOW_TRACKING_TOKEN) instead")
         _check_server_listens(uri, scheme)
     if scheme == "sqlite":
         _check_sqlite_uri(uri, urlparse(uri).scheme)

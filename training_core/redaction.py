@@ -12,13 +12,18 @@ import re
 REDACTED = "***"
 # A URI is only what has a scheme and "://": a local path holding "?" or "@" is shown as it is. It ends
 # at whitespace or a quote, so a URI inside a message (or its repr) is found there too.
-_URI = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
-_TRAILING_PUNCTUATION = ".,;:!?)]}"  # the message's, after a URI ("… at http://h/x?sig=…: not found")
+# A "'" may sit in a password (RFC 3986 allows it unencoded): it is kept in the match, and one that
+# closes a quoted URI is trailing punctuation.
+_URI = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"<>`]+")
+_TRAILING_PUNCTUATION = ".,;:!?)]}'"  # the message's, after a URI ("… at 'http://h/x?sig=…': not found")
+# Stores whose userinfo names a container, not a person: abfs://container@account.dfs.core.windows.net/…
+_CONTAINER_USERINFO = ("abfs", "abfss", "az", "adl")
 
 
 def redact_uri(text: str) -> str:
     """`text` with every URI in it redacted: the password of its userinfo becomes "***" (the user is
-    kept, as SQLAlchemy shows it) and so does every query-parameter value (the names are kept; an
+    kept, as SQLAlchemy shows it; userinfo without a password, a token, is "***" whole, except where
+    it names an Azure container) and so does every query-parameter value (the names are kept; an
     item without "=" is all value). Text without "scheme://" is returned unchanged, as is a URI that
     carries neither (`s3://bucket/day/a.jsonl`)."""
     return _URI.sub(_redacted_match, text)
@@ -37,6 +42,8 @@ def _redacted(uri: str) -> str:
     userinfo, at, host = authority.rpartition("@")  # rpartition: a raw "@" in a password stays in it
     if at and ":" in userinfo:
         authority = f"{userinfo.split(':', 1)[0]}:{REDACTED}@{host}"
+    elif at and scheme.lower() not in _CONTAINER_USERINFO:  # a token alone (https://ghp_…@host) is sent as a password
+        authority = f"{REDACTED}@{host}"
     path, question, query = tail.partition("?")
     if question:
         query, hash_mark, fragment = query.partition("#")

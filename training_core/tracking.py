@@ -57,7 +57,7 @@ def restore_credentials_hint(tracking_uri: str) -> str:
     """Said after a command that names the tracking URI redacted: run it with the real credentials."""
     if redact_uri(tracking_uri) == tracking_uri:
         return ""
-    return " (export MLFLOW_TRACKING_URI with the real credentials where it shows ***)"
+    return " (with MLFLOW_TRACKING_URI as configured where this shows ***)"
 
 
 class MlflowTracking:

@@ -32,7 +32,10 @@ SIGNATURE = "FAKESIG_0123abcd"
     ("line 3 of https://u:p@h/a.jsonl?sig=x: not valid JSON", "line 3 of https://u:***@h/a.jsonl?sig=***: not valid JSON"),
     ("url='http://h/a?sig=x'", "url='http://h/a?sig=***'"),
     ("s3://bucket/exports/day/a.jsonl", "s3://bucket/exports/day/a.jsonl"),
-    ("https://alice@h/a.jsonl", "https://alice@h/a.jsonl"),  # a user alone is no secret
+    ("https://ghp_TOKEN@h/a.jsonl", "https://***@h/a.jsonl"),  # a token alone is sent as the password
+    ("abfs://exports@acct.dfs.core.windows.net/a.jsonl", "abfs://exports@acct.dfs.core.windows.net/a.jsonl"),
+    ("http://alice:pa'ss(1)@h/a.jsonl", "http://alice:***@h/a.jsonl"),  # RFC 3986 allows ' and ( unencoded
+    ("cannot open 'http://u:p@h/a.jsonl': 403", "cannot open 'http://u:***@h/a.jsonl': 403"),
     ("/data/exports/what?sig=x.jsonl", "/data/exports/what?sig=x.jsonl"),  # no scheme://: a local path
     ("data/alice:pw@host.jsonl", "data/alice:pw@host.jsonl"),
 ])
@@ -181,13 +184,18 @@ def test_tracking_uri_errors_name_the_uri_without_its_password(monkeypatch):
             lambda: check_tracking_uri(f"https://admin:{PASSWORD}@127.0.0.1:{port}"),
             lambda: check_tracking_uri(f"mlflow://admin:{PASSWORD}@127.0.0.1:{port}"),
             lambda: check_tracking_uri(f"sqlite:////nonexistent/dir/mlflow.db?password={PASSWORD}"),
+            lambda: check_tracking_uri(f"https://127.0.0.1:{port}/?token={PASSWORD}"),
         ]
         messages = []
         for refuse in refusals:
             with pytest.raises(ConfigError) as caught:
                 refuse()
             messages.append(str(caught.value))
-    assert messages[0].startswith(f"mlflow_tracker.tracking_uri 'https://admin:***@127.0.0.1:{port}': "
+    # In the URI, MLflow's own errors would print it: refused before anything connects.
+    assert messages[0] == (f"mlflow_tracker.tracking_uri 'https://admin:***@127.0.0.1:{port}': carries a password, "
+                           "which MLflow's errors would print; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+                           "(or MLFLOW_TRACKING_TOKEN) instead")
+    assert messages[3].startswith(f"mlflow_tracker.tracking_uri 'https://127.0.0.1:{port}/?token=***': "
                                   f"no MLflow server accepted a connection at 127.0.0.1:{port}")
     assert messages[1].startswith(f"mlflow_tracker.tracking_uri 'mlflow://admin:***@127.0.0.1:{port}': expected")
     assert messages[2].startswith("mlflow_tracker.tracking_uri 'sqlite:////nonexistent/dir/mlflow.db?password=***': "
@@ -211,4 +219,4 @@ def test_the_restore_command_for_a_deleted_experiment_shows_the_tracking_uri_red
     message = str(caught.value)
     assert PASSWORD not in message
     assert f"`MLFLOW_TRACKING_URI={store}?token=*** mlflow experiments restore --experiment-id" in message
-    assert "export MLFLOW_TRACKING_URI with the real credentials where it shows ***" in message
+    assert "(with MLFLOW_TRACKING_URI as configured where this shows ***)" in message
