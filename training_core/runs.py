@@ -64,6 +64,9 @@ def check_inputs_are_as_recorded(inputs: TrainingInputs, base_digest_records: Pa
         try:
             tokenized_with = json.loads((Path(path) / "manifest.json").read_text()).get("tokenizer")
         except (OSError, ValueError) as error:
+            if not Path(path).exists():  # pruned, or the state folder's datasets/ removed
+                raise LineageError(f"training dataset {path} is gone; rematerialize training_dataset for "
+                                   f"{key if key != path else 'its partition'}") from None
             raise LineageError(f"training dataset {path}: manifest.json is not readable ({error})") from error
         if tokenized_with is not None and tokenized_with != inputs.base_model_digest:  # None: written before it was recorded
             stale.append(f"{key} (tokenized with base model {tokenized_with[:12]})")

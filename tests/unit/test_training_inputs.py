@@ -4,6 +4,7 @@ is refused by name before anything starts."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -105,6 +106,15 @@ def test_a_window_day_tokenized_by_another_base_model_is_named(base, tmp_path):
     with pytest.raises(LineageError, match=r"training_dataset 2026-11-01 \(tokenized with base model 0123456789ab\) was "
                                            r"not tokenized with the base model being trained, .*my-base "
                                            rf"\({base.digest[:12]}\); rematerialize training_dataset for that partition"):
+        check_inputs_are_as_recorded(_inputs(base, [yesterday, today], ["2026-11-01", "2026-11-02"]))
+
+
+def test_a_window_day_whose_dataset_folder_was_pruned_says_to_rematerialize_it(base, tmp_path):
+    today = _dataset(base, tmp_path, "2026-11-02", base.digest)
+    yesterday = _dataset(base, tmp_path, "2026-11-01", base.digest)
+    shutil.rmtree(yesterday.path)  # an operator freeing disk
+    with pytest.raises(LineageError, match=rf"^training dataset {re.escape(yesterday.path)} is gone; rematerialize "
+                                           r"training_dataset for 2026-11-01$"):
         check_inputs_are_as_recorded(_inputs(base, [yesterday, today], ["2026-11-01", "2026-11-02"]))
 
 
