@@ -67,17 +67,28 @@ def test_ingest_memory_grows_with_a_batch_not_with_the_day(tmp_path, demo_model)
 
 
 @pytest.mark.parametrize("name", ["day.jsonl", "day.csv", "day.jsonl.gz", "day.csv.gz"])
-def test_the_first_record_is_yielded_before_a_bad_last_line_is_read(tmp_path, name):
+def test_the_first_record_is_yielded_before_the_rest_of_the_file_is_read(tmp_path, name):
     from training_core.data.sources import RecordOrigins, iter_records
 
-    lines = ["prompt,response", "p1,r1", "p2,r2", '"never closed,r3'] if ".csv" in name else [
-        json.dumps({"prompt": "p1", "response": "r1"}), json.dumps({"prompt": "p2", "response": "r2"}), "{not json"]
+    # ~6 MB of text: a reader of the whole file (its bytes, text or lines) allocates that much before
+    # its first record; one reading a line at a time, a buffer.
+    if ".csv" in name:
+        lines = ["prompt,response"] + [f"p{i},{'r' * 50}" for i in range(100_000)] + ['"never closed,r3']
+    else:
+        lines = [json.dumps({"prompt": f"p{i}", "response": "r" * 50}) for i in range(100_000)] + ["{not json"]
     text = "\n".join(lines) + "\n"
     path = tmp_path / name
     path.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
     origins = RecordOrigins()
     records = iter_records(path, origins)
-    assert next(records) == {"prompt": "p1", "response": "r1"}
+    tracemalloc.start()
+    try:
+        first = next(records)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert first == {"prompt": "p0", "response": "r" * 50}
+    assert peak < len(text) / 10, f"{peak:,} bytes allocated for the first record of a {len(text):,}-byte file"
     assert origins.describe(0) == f"line {2 if '.csv' in name else 1} of {path}"
     with pytest.raises(SourceDataError, match=rf"^line {len(lines)} of .*{name}: "):
         list(records)
@@ -87,13 +98,18 @@ def test_parquet_is_read_a_batch_at_a_time(tmp_path):
     from training_core.data import sources
 
     path = tmp_path / "day.parquet"
-    responses = ["r"] * (sources._PARQUET_BATCH_ROWS + 5) + [None]
-    pq.write_table(pa.table({"prompt": ["p"] * len(responses), "response": responses, "other": [1] * len(responses)}),
-                   path, row_group_size=sources._PARQUET_BATCH_ROWS)
+    rows = sources._PARQUET_BATCH_ROWS * 2
+    pq.write_table(pa.table({"prompt": ["p"] * rows, "response": ["r"] * rows, "other": [1] * rows}),
+                   path, row_group_size=sources._PARQUET_BATCH_ROWS, compression="none")
+    # Damage the last row group's pages: a reader of the whole file fails before its first record.
+    last = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    with path.open("r+b") as handle:
+        handle.seek(last.data_page_offset)
+        handle.write(b"\xff" * last.total_compressed_size)
     records = sources.iter_records(path)
     assert next(records) == {"prompt": "p", "response": "r"}
-    with pytest.raises(SourceDataError, match=rf"^row {len(responses) - 1} \(0-based\) of .*day\.parquet: field "
-                                              "'response' is null$"):
+    assert sum(1 for _ in zip(range(sources._PARQUET_BATCH_ROWS - 1), records)) == sources._PARQUET_BATCH_ROWS - 1
+    with pytest.raises(SourceDataError, match=r"day\.parquet: not a readable Parquet file"):
         list(records)
 
 
