@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import csv
+import functools
 import gzip
 import itertools
 import json
@@ -382,12 +383,9 @@ class RecordOrigins:
     the records (hidden, outside its digest) so that a later error names the user's own file.
     12 bytes a record (two arrays of numbers), not a Python tuple each: a day may be millions."""
 
-    def __init__(self, files: list[tuple[str, str]] | None = None,
-                 positions: Iterable[tuple[int, int]] = ()) -> None:
+    def __init__(self, files: list[tuple[str, str]] | None = None) -> None:
         self.files: list[tuple[str, str]] = list(files or [])  # (path, "line" | "item" | "row")
         self._file_of, self._number_of = array.array("i"), array.array("q")  # per record
-        for file_index, number in positions:
-            self.add(file_index, number)
 
     def add(self, file_index: int, number: int) -> None:
         self._file_of.append(file_index)
@@ -395,11 +393,6 @@ class RecordOrigins:
 
     def __len__(self) -> int:
         return len(self._file_of)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, RecordOrigins):
-            return NotImplemented
-        return (self.files, self._file_of, self._number_of) == (other.files, other._file_of, other._number_of)
 
     def describe(self, index: int) -> str | None:
         if not 0 <= index < len(self):
@@ -426,7 +419,8 @@ class RecordOrigins:
         file's text and the two arrays, not a list of lists."""
         try:
             text = path.read_text()
-            head, separator, positions = text.rpartition(', "positions": [')  # last: only numbers follow
+            # As `save` writes it (json.dumps' separators): only numbers follow the last such key.
+            head, separator, positions = text.rpartition(', "positions": [')
             if not separator or not positions.rstrip().endswith("]}"):
                 return None
             files = json.loads(head + "}")["files"]
@@ -449,14 +443,10 @@ class RecordLocations:
 
     def __init__(self, records_path: str | None) -> None:
         self.records_path = records_path
-        self._origins: RecordOrigins | None = None
-        self._loaded = records_path is None
 
-    @property
+    @functools.cached_property
     def origins(self) -> RecordOrigins | None:
-        if not self._loaded:
-            self._origins, self._loaded = RecordOrigins.load(Path(self.records_path).parent / ORIGINS_FILE), True
-        return self._origins
+        return RecordOrigins.load(Path(self.records_path).parent / ORIGINS_FILE) if self.records_path else None
 
     def frozen(self, index: int) -> str:
         return f"line {index + 1} of {self.records_path}" if self.records_path else f"record {index} (0-based)"

@@ -242,7 +242,7 @@ def count_parameters(model) -> tuple[int, int]:
 
 def count_matmul_weights(model) -> tuple[int, int]:
     """(frozen, trainable) weights of the linear layers that run in a forward pass, from their shapes
-    (right under ZeRO-3 partitioning and 4-bit packing), for the FLOPs of :func:`model_flops_per_token`.
+    (right under ZeRO-3 partitioning and 4-bit packing), for the FLOPs of `telemetry.ModelFlops`.
     Linear layers are ``torch.nn.Linear`` and transformers' ``Conv1D`` (GPT-2 family: a linear layer
     with its weight stored as (in, out)), and MoE experts: transformers 5 stores a layer's experts as
     3-D parameters (one slice per expert), of which a token runs the ``num_experts_per_tok`` it is
