@@ -4,7 +4,6 @@ that never change, whatever later happens to the user's source."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 from collections.abc import Iterable
@@ -13,7 +12,7 @@ from pathlib import Path
 
 from training_core.data.sources import ORIGINS_FILE, RecordOrigins
 from training_core.errors import EmptyPartitionError
-from training_core.storage import directory_digest, publish_directory, staging_directory
+from training_core.storage import directory_digest, file_digest, publish_directory, staging_directory
 
 RECORDS_FILE = "records.jsonl"
 
@@ -60,15 +59,11 @@ def freeze_records(records: Iterable[dict[str, str]], origins: RecordOrigins | N
 
 
 def _file_digest(path: Path) -> str | None:
-    """Of the file's bytes, read in pieces; None when it cannot be read (no origins kept there)."""
-    digest = hashlib.blake2b(digest_size=16)
+    """None when the file cannot be read (no origins kept there)."""
     try:
-        with path.open("rb") as handle:
-            while piece := handle.read(1 << 20):
-                digest.update(piece)
+        return file_digest(path)
     except OSError:
         return None
-    return digest.hexdigest()
 
 
 def read_frozen_record(records_path: str | Path, index: int) -> dict[str, str]:

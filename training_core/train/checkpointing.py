@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import xxhash
 
 from training_core.errors import ConfigError
+from training_core.storage import file_digest
 from training_core.train.config import TrainingConfig, dotted_settings
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def seal_checkpoint(directory: Path, rank: int) -> None:
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         relative = path.relative_to(directory).as_posix()
         if not relative.startswith(MANIFEST_PREFIX):
-            files[relative] = [path.stat().st_size, _file_digest(path)]
+            files[relative] = [path.stat().st_size, file_digest(path)]
     (directory / f"{MANIFEST_PREFIX}{rank}.json").write_text(json.dumps(files, sort_keys=True))
 
 
@@ -193,17 +193,9 @@ def verify_checkpoint_files(directory: Path, *, world_size: int | None = None, o
             problems.append(f"{relative} (missing)")
         elif path.stat().st_size not in {size for size, _ in versions}:
             problems.append(f"{relative} (truncated or resized)")
-        elif check_digests and _file_digest(path) not in {digest for _, digest in versions}:
+        elif check_digests and file_digest(path) not in {digest for _, digest in versions}:
             problems.append(f"{relative} (changed)")
     return problems
-
-
-def _file_digest(path: Path) -> str:
-    hasher = xxhash.xxh3_128()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 def load_progress(directory: Path) -> TrainingProgress:
