@@ -29,6 +29,13 @@ class MlflowTracker(dg.ConfigurableResource):
         return MlflowTracking(uri, artifacts, self.experiment)
 
 
+def _refused(uri: str, problem: str):
+    """The ConfigError naming the setting and the URI as shown (its credentials redacted)."""
+    from training_core.errors import ConfigError
+
+    return ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: {problem}")
+
+
 # Stores MLflow 3 serves runs and the model registry from (its file store is retired).
 TRACKING_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "databricks")
 
@@ -38,19 +45,16 @@ def check_tracking_uri(uri: str) -> None:
     typo in the path would start an empty store: earlier runs, reuse and the champion gone)."""
     from urllib.parse import urlparse
 
-    from training_core.errors import ConfigError
-
     scheme = urlparse(uri).scheme.split("+")[0]
     if scheme not in TRACKING_SCHEMES:
-        raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: expected a URI with scheme "
-                          f"{'/'.join(TRACKING_SCHEMES)} (e.g. sqlite:////data/mlflow.db or http://mlflow:5000)")
+        raise _refused(uri, f"expected a URI with scheme {'/'.join(TRACKING_SCHEMES)} (e.g. sqlite:////data/mlflow.db "
+                            "or http://mlflow:5000)")
     if scheme in ("http", "https"):
         if urlparse(uri).password is not None:
             # MLflow's own errors quote the server URI as given (a dropped connection mid-run would put
             # the password in Dagster's event log); the client reads credentials from these variables.
-            raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: carries a password, which MLflow's "
-                              "errors would print; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
-                              "MLFLOW_TRACKING_TOKEN) instead")
+            raise _refused(uri, "carries a password, which MLflow's errors would print; set MLFLOW_TRACKING_USERNAME "
+                                "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead")
         _check_server_listens(uri, scheme)
     if scheme == "sqlite":
         _check_sqlite_uri(uri, urlparse(uri).scheme)
@@ -64,15 +68,13 @@ def _check_database_driver(uri: str) -> None:
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-    from training_core.errors import ConfigError
-
     try:
         make_url(uri).get_dialect().import_dbapi()
     except (ArgumentError, NoSuchModuleError, ImportError) as error:
         missing = getattr(error, "name", None)
         problem = (f"its database driver, the Python module {missing!r}, is not installed here; install it, or "
                    f"name an installed driver as scheme+driver://" if missing else f"no SQLAlchemy driver for it ({error})")
-        raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: {problem}") from None
+        raise _refused(uri, problem) from None
 
 
 def _check_sqlite_uri(uri: str, scheme: str) -> None:
@@ -80,19 +82,16 @@ def _check_sqlite_uri(uri: str, scheme: str) -> None:
     (every run gone when the process ends) and `sqlite:/path` is no URL SQLAlchemy can parse."""
     from pathlib import Path
 
-    from training_core.errors import ConfigError
-
     prefix = f"{scheme}:///"
     database = uri.removeprefix(prefix) if uri.startswith(prefix) else ""
     if not database.split("?", 1)[0]:
         problem = ("names no database file, so SQLite would keep every run in memory and lose them when the "
                    "process ends" if uri.startswith(prefix) or uri.rstrip("/") == f"{scheme}:"
                    else "is not a SQLite URL MLflow can open")
-        raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: {problem}; use sqlite:///<file path> "
-                          "(sqlite:////data/mlflow.db for /data/mlflow.db)")
+        raise _refused(uri, f"{problem}; use sqlite:///<file path> (sqlite:////data/mlflow.db for /data/mlflow.db)")
     path = Path(database)
     if str(path) != ":memory:" and not path.parent.is_dir():
-        raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: folder {path.parent} does not exist")
+        raise _refused(uri, f"folder {path.parent} does not exist")
 
 
 SERVER_CONNECT_TIMEOUT_S = 30.0  # rides out a server restart; a wrong URI fails in 30 s, not ~4 min
@@ -105,13 +104,12 @@ def _check_server_listens(uri: str, scheme: str) -> None:
     from urllib.parse import urlparse
 
     from resources.reachability import connection_refusal
-    from training_core.errors import ConfigError
 
     parsed = urlparse(uri)
     if not parsed.hostname:
-        raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: no host name")
+        raise _refused(uri, "no host name")
     port = parsed.port or (443 if scheme == "https" else 80)
     if error := connection_refusal(parsed.hostname, port, SERVER_CONNECT_TIMEOUT_S):
-        raise ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: no MLflow server accepted a connection at "
-                          f"{parsed.hostname}:{port} within {SERVER_CONNECT_TIMEOUT_S:g} s ({error}); start it "
-                          "(`mlflow server --port ...`) or fix the URI")
+        raise _refused(uri, f"no MLflow server accepted a connection at "
+                            f"{parsed.hostname}:{port} within {SERVER_CONNECT_TIMEOUT_S:g} s ({error}); start it "
+                            "(`mlflow server --port ...`) or fix the URI")
