@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from pipelines.instance import (
-    LAUNCHER_TAG, AbandonedRunWatch, fail_abandoned_runs, load_instance, prepare_home, resolve_home,
+    LAUNCHER_TAG, AbandonedRunWatch, fail_abandoned_runs, load_instance, prepare_home,
 )
 from training_core.process_identity import this_process
 
@@ -127,9 +127,10 @@ def bench(args: argparse.Namespace) -> int:
 def reproduce(args: argparse.Namespace) -> int:
     # Reads a state folder that recorded the run; creates nothing there (a mistyped --home used to
     # get a dagster/ folder before the refusal).
+    from resources.paths import state_root
     from training_core.errors import ConfigError
 
-    root = resolve_home(args.home)
+    root = state_root(args.home)
     if not root.is_dir():
         reason = "is a file" if root.exists() else "does not exist"
         raise ConfigError(f"state folder {root} is not usable: it {reason}; pass --home (or TESSERA_HOME) of the "
@@ -156,9 +157,10 @@ def reproduce(args: argparse.Namespace) -> int:
 def free_slots(args: argparse.Namespace) -> int:
     """For runs launched with Dagster's own CLI (no tessera process watches them): fail the runs whose
     process was killed, which frees their training pool slots for the runs waiting behind them."""
+    from resources.paths import state_root
     from training_core.errors import ConfigError
 
-    root = resolve_home(args.home)
+    root = state_root(args.home)
     if not (root / "dagster").is_dir():
         raise ConfigError(f"state folder {root} has no Dagster instance (no {root / 'dagster'}); pass --home")
     prepare_home(str(root))

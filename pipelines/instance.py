@@ -28,18 +28,11 @@ concurrency:
 """
 
 
-def resolve_home(home: str | None = None) -> Path:
-    """The state root a command was given (``--home``), else $TESSERA_HOME or .tessera/; creates nothing."""
-    from resources.paths import state_root
-
-    return state_root(home)
-
-
 def prepare_home(home: str | None = None) -> Path:
     """Create the state root and DAGSTER_HOME, and export both for this process."""
-    from resources.paths import check_not_moved
+    from resources.paths import check_not_moved, state_root
 
-    root = resolve_home(home)
+    root = state_root(home)
     dagster_home = root / "dagster"
     try:
         dagster_home.mkdir(parents=True, exist_ok=True)
