@@ -24,8 +24,9 @@ def test_log_batch_records_every_param_metric_point_and_tag_beyond_mlflow_reques
     assert tracking.loss_history(run_id) == curve
 
 
-def test_a_finished_run_is_reused_only_while_its_model_is_as_published(tmp_path: Path):
-    from training_core.runs import REUSE_KEYS, find_reusable_run
+def _published_model(tmp_path: Path) -> tuple[MlflowTracking, Path, dict[str, str]]:
+    """A tracking store, a trained model folder with its recorded digest, and a complete reuse lineage."""
+    from training_core.runs import REUSE_KEYS
     from training_core.storage import directory_digest
 
     tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
@@ -33,7 +34,13 @@ def test_a_finished_run_is_reused_only_while_its_model_is_as_published(tmp_path:
     model.mkdir(parents=True)
     (model / "adapter_model.safetensors").write_bytes(b"weights")
     directory_digest(model, record_files=True)
-    lineage = {key: f"{key}-value" for key in REUSE_KEYS}
+    return tracking, model, {key: f"{key}-value" for key in REUSE_KEYS}
+
+
+def test_a_finished_run_is_reused_only_while_its_model_is_as_published(tmp_path: Path):
+    from training_core.runs import find_reusable_run
+
+    tracking, model, lineage = _published_model(tmp_path)
     run_id = tracking.start_run("train-all-x", tags={})
     tracking.log_batch(run_id, params=lineage, metrics={"steps": 1.0}, series={"train_loss": [(1, 2.0)]},
                        tags={"model_dir": str(model)})
@@ -233,15 +240,9 @@ def test_a_version_trained_on_a_hub_model_names_its_repo_and_commit_not_this_mac
 
 
 def test_a_finished_run_is_reused_after_more_reproductions_of_it_than_one_search_page(tmp_path: Path):
-    from training_core.runs import REUSE_KEYS, find_reusable_run
-    from training_core.storage import directory_digest
+    from training_core.runs import find_reusable_run
 
-    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
-    model = tmp_path / "trained" / "train-all-x"
-    model.mkdir(parents=True)
-    (model / "adapter_model.safetensors").write_bytes(b"weights")
-    directory_digest(model, record_files=True)
-    lineage = {key: f"{key}-value" for key in REUSE_KEYS}
+    tracking, model, lineage = _published_model(tmp_path)
     original = tracking.start_run("train-all-x", tags={})
     tracking.log_batch(original, params=lineage, tags={"model_dir": str(model)})
     tracking.end_run(original)

@@ -80,20 +80,12 @@ def test_missing_target_modules_are_listed_against_what_lora_can_wrap_conv1d_inc
 
 def test_moe_flops_count_the_experts_each_token_is_routed_to():
     """transformers 5 stores experts as 3-D parameters, not linear layers; a token runs num_experts_per_tok of them."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from training_core.train.model_setup import attention_shape, count_matmul_weights
-    from training_core.train.telemetry import model_flops_per_token
+    from tests.unit.flop_support import estimated_over_measured_flops
 
     config = transformers.MixtralConfig(num_local_experts=8, num_experts_per_tok=2, **LLAMA_LIKE)
     torch.manual_seed(0)
     # experts run one by one (eager): torch's FLOP counter does not count grouped matmuls
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                           experts_implementation="eager")
-    seq_len, batch = 64, 2
-    estimate = model_flops_per_token(*count_matmul_weights(model), *attention_shape(model.config), seq_len)
-    ids = torch.randint(0, 500, (batch, seq_len))
-    with FlopCounterMode(display=False) as counter:
-        model(input_ids=ids, labels=ids).loss.backward()
-    measured = counter.get_total_flops() / (batch * seq_len)
-    assert 0.98 <= estimate / measured <= 1.02, (estimate, measured)  # the router's small matmul is left out
+    ratio = estimated_over_measured_flops(model)
+    assert 0.98 <= ratio <= 1.02, ratio  # the router's small matmul is left out
