@@ -110,8 +110,10 @@ def test_positions_restart_and_attention_stays_within_each_example():
 
     rows = packed_rows(input_ids, labels)
     assert rows["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], list(range(8))]
-    allowed = attention_inputs(rows["position_ids"], "sdpa", torch.float32)["attention_mask"]
-    assert allowed.shape == (2, 1, 8, 8) and allowed.dtype == torch.bool
+    sdpa = attention_inputs(rows["position_ids"], "sdpa", torch.float32)["attention_mask"]
+    assert sdpa.shape == (2, 1, 8, 8) and sdpa.dtype == torch.float32
+    allowed = sdpa == 0
+    assert (sdpa[~allowed] == torch.finfo(torch.float32).min).all()
     assert allowed[0, 0, 5].tolist() == [False] * 4 + [True, True, False, False]  # 7 sees its own bos and itself
     assert allowed[0, 0, 7].tolist() == [False] * 4 + [True] * 4  # padding: the last example's block, itself included
     assert torch.equal(allowed[1, 0], torch.ones(8, 8, dtype=torch.bool).tril())
@@ -129,6 +131,31 @@ def test_positions_restart_and_attention_stays_within_each_example():
     assert shorter["cu_seq_lens_q"].tolist() == [0, 4, 8] and shorter["max_length_q"] == shorter["max_length_k"] == 4
     # Reader buffers are left as they were: labels are masked on a copy.
     assert labels[0].tolist() == [IGNORE_INDEX, IGNORE_INDEX, 6, eos, IGNORE_INDEX, 7, eos, IGNORE_INDEX]
+
+
+def test_every_sdpa_layer_keeps_the_one_mask_for_backward():
+    """torch's sdpa turns a boolean mask into an additive one on each call: every layer would keep its own
+    batch × seq² copy until backward (4 GiB at 8 rows of 4096 tokens on 16 layers in bf16)."""
+    import transformers
+
+    from training_core.train.packed_attention import attention_inputs, packed_rows
+
+    seq_len, layers = 32, 4
+    input_ids = np.tile(np.array([1, 5, 6, 2] * (seq_len // 4), dtype=np.int32), (2, 1))
+    rows = packed_rows(input_ids, input_ids.copy())
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=seq_len)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    saved_masks: set[int] = set()
+
+    def remember_masks(saved: torch.Tensor) -> torch.Tensor:
+        if saved.dim() == 4 and saved.shape[-2:] == (seq_len, seq_len) and saved.shape[1] == 1:
+            saved_masks.add(saved.untyped_storage().data_ptr())
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(remember_masks, lambda saved: saved):
+        model(**rows, **attention_inputs(rows["position_ids"], "sdpa", torch.float32)).loss.backward()
+    assert len(saved_masks) == 1, f"{len(saved_masks)} masks kept for backward across {layers} layers"
 
 
 def _flash_attention_unavailable() -> str | None:

@@ -102,16 +102,9 @@ class EpochBatches:
         """A batch as the model takes it, on the model's ``device`` (DeepSpeed's engine moves no
         inputs): each packed example attends only to itself, as evaluation scores it, within the model's
         sliding ``window`` (model_setup.sliding_window) if it has one. The mask (batch × seq² entries) is
-        built here, for one micro-batch at a time."""
-        inputs = {**batch, **attention_inputs(batch["position_ids"], self._config.attention, model_dtype(self._config),
-                                              window)}
-
-        def moved(value):
-            if isinstance(value, dict):  # a mask per layer type
-                return {name: moved(mask) for name, mask in value.items()}
-            return value.to(device) if isinstance(value, torch.Tensor) else value
-
-        return {name: moved(value) for name, value in inputs.items()}
+        built on ``device``, for one micro-batch at a time."""
+        return {**{name: tensor.to(device) for name, tensor in batch.items()},
+                **attention_inputs(batch["position_ids"], self._config.attention, model_dtype(self._config), window, device)}
 
     def state_dict(self) -> dict:
         return self._reader.state_dict()

@@ -8,11 +8,12 @@ labels are IGNORE_INDEX, nothing before it attends to it, and it attends to itse
 left with nothing to attend to (sdpa returns NaN for such a row).
 
 How the blocks reach the model depends on `TrainingConfig.attention`:
-- sdpa: a 4-D boolean mask [batch, 1, seq, seq], True where a query may attend: block-diagonal and
-  causal. transformers (masking_utils._preprocess_mask_arguments) passes a 4-D mask to attention as
-  given, building no causal mask of its own;
-- eager: the same mask in the additive form eager attention adds to its scores: 0 where a query may
-  attend, the dtype's lowest value elsewhere, in the model's dtype;
+- sdpa and eager: a 4-D mask [batch, 1, seq, seq], block-diagonal and causal, in the additive form: 0
+  where a query may attend, the dtype's lowest value elsewhere, in the model's dtype. transformers
+  (masking_utils._preprocess_mask_arguments) passes a 4-D mask to attention as given, building no causal
+  mask of its own. Not booleans for sdpa: torch's scaled_dot_product_attention turns a boolean mask into
+  an additive one on every call, so each layer would keep its own converted copy for backward (4 GiB at
+  8 rows of 4096 tokens on 16 layers in bf16); an additive mask is the one tensor every layer shares;
 - flash_attention_2: no mask; the blocks as flash-attn's varlen arguments over the batch flattened
   (cu_seq_lens_q/k, max_length_q/k, as transformers' DataCollatorWithFlattening gives them).
   transformers reads blocks from position ids alone only for a batch of one row. Not run on CPU.
@@ -24,9 +25,11 @@ inference). A model whose config lists ``layer_types`` of both kinds takes a mas
 one with sliding layers only takes a single mask (Mistral refuses a dict). The dict holds two masks:
 twice the memory below.
 
-A mask holds batch × seq × seq entries: at seq_len 4096, 16 MiB a row as booleans (sdpa), 32 MiB in
-bf16 or 64 MiB in fp32 (eager). So a step holds its micro-batches as packed_rows (tokens and position
-ids) and builds each one's attention_inputs only as it goes to the model.
+A mask holds batch × seq × seq entries: at seq_len 4096, 32 MiB a row in bf16, 64 MiB in fp32. So a
+step holds its micro-batches as packed_rows (tokens and position ids) and builds each one's
+attention_inputs only as it goes to the model, on the model's device: built on the host, 8 rows of 4096
+tokens took ~200 ms on two cores and a 256 MiB copy, while an accelerator waits (DeepSpeed syncs at
+every optimizer step).
 """
 
 from __future__ import annotations
@@ -67,30 +70,28 @@ Mask = torch.Tensor | dict[str, torch.Tensor]
 
 
 def attention_inputs(position_ids: torch.Tensor, attention: str, dtype: torch.dtype,
-                     window: SlidingWindow | None = None) -> dict[str, Mask | int]:
-    """What keeps the examples of packed rows apart for ``attention``, from their position ids: a
-    mask of batch × seq × seq entries, built only as a micro-batch goes to the model; cut to ``window``
-    for a model with sliding-window layers."""
+                     window: SlidingWindow | None = None, device: torch.device | str = "cpu") -> dict[str, Mask | int]:
+    """What keeps the examples of packed rows apart for ``attention``, from their position ids (on the
+    host, as packed_rows gives them), on ``device``: a mask of batch × seq × seq entries, built there
+    only as a micro-batch goes to the model; cut to ``window`` for a model with sliding-window layers."""
     if attention == "flash_attention_2":
         # No window here: transformers' flash path gives each sliding layer flash-attn's window_size
         # (config.sliding_window - 1 keys back, causal) on the varlen path too
         # (modeling_flash_attention_utils._process_flash_attention_kwargs), and full layers none.
-        return _flash_varlen_arguments((position_ids == 0).numpy())
+        return {name: value.to(device) if isinstance(value, torch.Tensor) else value
+                for name, value in _flash_varlen_arguments((position_ids == 0).numpy()).items()}
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"attention={attention!r}: packed rows need one of sdpa, eager, flash_attention_2")
-    first_index = (torch.arange(position_ids.shape[1]) - position_ids).numpy()
-    allowed = _block_causal_mask(first_index)
+    allowed = _block_causal_mask(position_ids.to(device, torch.int32))
 
-    def as_taken(mask: torch.Tensor) -> torch.Tensor:
-        if attention == "sdpa":
-            return mask
-        return torch.full(mask.shape, torch.finfo(dtype).min, dtype=dtype).masked_fill_(mask, 0.0)
+    def additive(mask: torch.Tensor) -> torch.Tensor:
+        return torch.full(mask.shape, torch.finfo(dtype).min, dtype=dtype, device=device).masked_fill_(mask, 0.0)
 
     if window is None:
-        return {"attention_mask": as_taken(allowed)}
-    windowed = as_taken(allowed & _within_window(allowed.shape[-1], window.size))
+        return {"attention_mask": additive(allowed)}
+    windowed = additive(allowed & _within_window(allowed.shape[-1], window.size, device))
     if window.per_layer_type:
-        return {"attention_mask": {"full_attention": as_taken(allowed), "sliding_attention": windowed}}
+        return {"attention_mask": {"full_attention": additive(allowed), "sliding_attention": windowed}}
     return {"attention_mask": windowed}
 
 
@@ -100,19 +101,18 @@ def _example_first_index(starts: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(np.where(starts, index, 0), axis=1)
 
 
-def _block_causal_mask(first_index: np.ndarray) -> torch.Tensor:
-    """[batch, 1, seq, seq] booleans: query q may attend to key k from its example's start up to q.
-    int32 and in place: for 8 rows of 4096 tokens, 150 ms on two CPU cores, half what int64 took."""
-    width = first_index.shape[1]
-    keys = torch.arange(width, dtype=torch.int32)
-    allowed = keys[None, None, :] >= torch.from_numpy(first_index.astype(np.int32))[:, :, None]
-    allowed &= torch.ones(width, width, dtype=torch.bool).tril_()
+def _block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, seq, seq] booleans on position_ids' device: query q may attend to key k from its
+    example's start (q - position of q) up to q. int32 and in place: on two CPU cores half what int64 took."""
+    index = torch.arange(position_ids.shape[1], dtype=torch.int32, device=position_ids.device)
+    allowed = index[None, None, :] >= (index - position_ids)[:, :, None]
+    allowed &= index[None, :] <= index[:, None]
     return allowed[:, None]
 
 
-def _within_window(width: int, size: int) -> torch.Tensor:
+def _within_window(width: int, size: int, device: torch.device | str) -> torch.Tensor:
     """[seq, seq] booleans: key k is among the ``size`` latest for query q (k > q - size)."""
-    index = torch.arange(width, dtype=torch.int32)
+    index = torch.arange(width, dtype=torch.int32, device=device)
     return index[None, :] > index[:, None] - size
 
 
