@@ -17,7 +17,7 @@ from resources.paths import RAY_STORAGE_ENV
 from resources.ray_cluster import (
     RayClusterUnreachable,
     RayResource,
-    alive_node_resources,
+    check_cluster_capacity,
     connect_unless_connected,
     gpu_available_in_cluster,
 )
@@ -84,8 +84,10 @@ def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None
         console.print(f"[red]cannot reproduce:[/] run {escape(run_id)} was evaluated with "
                       f"{escape(str(recorded.eval_settings))}: {escape(str(error))}")
         return 2
-    if shortfall := recorded.config.capacity_shortfall(alive_node_resources()):  # Ray Train would wait for ever
-        console.print(f"[red]cannot reproduce:[/] {escape(shortfall)}")
+    try:  # as the training asset decides: refused if the cluster can never hold it, else waited for
+        check_cluster_capacity(recorded.config, ray_cluster, _ConsoleNotes(console))
+    except ConfigError as error:
+        console.print(f"[red]cannot reproduce:[/] {escape(str(error))}")
         return 2
     # Read under the quota and policy the cache resource warmed it with, as lora_adapter does.
     inputs = dataclasses.replace(recorded.inputs, cache_size_limit_bytes=cache.size_limit_bytes,
@@ -151,6 +153,16 @@ def _connect_to_ray(ray_cluster: RayResource) -> None:
     dagster-ray logs through, brings an in-memory Dagster instance: nothing is written."""
     with dg.build_init_resource_context() as context:
         connect_unless_connected(ray_cluster, context)
+
+
+class _ConsoleNotes:
+    """The log `check_cluster_capacity` warns through, printing to the console as reproduce's notes."""
+
+    def __init__(self, console: Console) -> None:
+        self._console = console
+
+    def warning(self, message: str) -> None:
+        self._console.print(f"[yellow]note:[/] {escape(message)}")
 
 
 def print_drift(console: Console, run_id: str, drift: list[tuple[str, str, str]]) -> None:

@@ -28,11 +28,12 @@ from dagster_ray.kuberay import KubeRayCluster, RayClusterConfig, RayClusterSpec
 from pydantic import BaseModel, ValidationError
 
 from resources.paths import REPO_ROOT
-from resources.ray_cluster import RayDataOptions, ray_data_options_field
+from resources.ray_cluster import ClusterCeiling, RayDataOptions, ray_data_options_field
 
 DEFAULT_MANIFEST = REPO_ROOT / "deploy" / "kuberay" / "raycluster.yaml"
 GROUP_KEYS = ("headGroupSpec", "workerGroupSpecs")
 RAYCLUSTER_API_VERSION = "ray.io/v1"
+HEAD_SERVICE_SUFFIX = "-head-svc"  # KubeRay names a RayCluster's head service <cluster name>-head-svc
 
 
 class KubeRayManifestError(ValueError):
@@ -41,9 +42,72 @@ class KubeRayManifestError(ValueError):
 
 class TrainingKubeRayCluster(KubeRayCluster):
     """dagster-ray's `KubeRayCluster`, applying its Ray Data options on connect only when asked for
-    (`RayDataOptions`: Tessera's training reads no Ray Dataset)."""
+    (`RayDataOptions`: Tessera's training reads no Ray Dataset), and knowing how far its RayCluster
+    can grow (`capacity_ceiling`)."""
 
     data_execution_options: RayDataOptions = ray_data_options_field()
+
+    @property
+    def capacity_ceiling(self) -> ClusterCeiling | None:
+        """The RayCluster's nodes at its largest: a worker group no autoscaling can hold is refused
+        before Ray Train starts retrying for it, one the autoscaler can reach is waited for."""
+        spec = self.ray_cluster.spec
+        name = self.ray_cluster.metadata.get("name")
+        return raycluster_ceiling(f"RayCluster {name}" if name else "the RayCluster this step creates",
+                                  spec.head_group_spec, spec.worker_group_specs, spec.enable_in_tree_autoscaling)
+
+
+def raycluster_ceiling(cluster_label: str, head_group: Mapping[str, Any], worker_groups: list[Mapping[str, Any]],
+                       autoscaling: bool) -> ClusterCeiling | None:
+    """The Ray nodes of a RayCluster at its largest: each worker group's pods at `maxReplicas` (at
+    `replicas` without the autoscaler; × `numOfHosts`) and the head, each with the resources the Ray
+    autoscaler itself reads from the group (rayStartParams, else the Ray container's limits or
+    requests), so the ceiling is the one it scales to. None when a worker group sets no bound
+    (Kubernetes then defaults `maxReplicas` to 2^31 - 1: no ceiling worth checking against)."""
+    bound = "maxReplicas" if autoscaling else "replicas"
+    if any(bound not in group for group in worker_groups):
+        return None
+    head = _ray_node_resources(cluster_label, "spec.headGroupSpec", head_group, is_head=True)
+    nodes, described = [head], []
+    for index, group in enumerate(worker_groups):
+        per_pod = _ray_node_resources(cluster_label, f"spec.workerGroupSpecs[{index}]", group, is_head=False)
+        hosts = int(group.get("numOfHosts", 1))
+        nodes += [per_pod] * (int(group[bound]) * hosts)
+        described.append(f"worker group {group.get('groupName', index)}: {bound} {group[bound]}"
+                         f"{f' × {hosts} hosts' if hosts > 1 else ''} × {_cpus_and_gpus(per_pod)} per pod")
+    described.append(f"head: {_cpus_and_gpus(head)}")
+    return ClusterCeiling(tuple(nodes), f"{cluster_label} ({'; '.join(described)})")
+
+
+def _ray_node_resources(cluster_label: str, where: str, group: Mapping[str, Any], is_head: bool) -> dict[str, float]:
+    # The autoscaler's own reading of a group spec (Ray is pinned to one version in pyproject.toml).
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_ray_resources_from_group_spec
+
+    try:
+        resources = _get_ray_resources_from_group_spec(dict(group), is_head)
+    except (KeyError, ValueError) as error:
+        raise KubeRayManifestError(
+            f"{cluster_label}, {where}: the Ray autoscaler cannot tell its resources: {error}") from error
+    return {name: float(amount) for name, amount in resources.items()}
+
+
+def _cpus_and_gpus(resources: Mapping[str, float]) -> str:
+    return ", ".join(f"{resources.get(name, 0.0):g} {name}" for name in ("CPU", "GPU"))
+
+
+def attached_raycluster_ceiling(ray_address: str, path: str | Path = DEFAULT_MANIFEST) -> ClusterCeiling | None:
+    """The ceiling of the manifest's RayCluster when ``ray_address`` is its head service (e.g.
+    ray://tessera-ray-head-svc.tessera.svc.cluster.local:10001, or the service's short name), else
+    None. The manifest is read only for an address that names a KubeRay head service."""
+    host = ray_address.removeprefix("ray://").rpartition(":")[0]
+    service, _, domain = host.partition(".")
+    if not service.endswith(HEAD_SERVICE_SUFFIX):
+        return None
+    cluster = kuberay_cluster_from_manifest(path)
+    name, namespace = cluster.ray_cluster.metadata["name"], cluster.ray_cluster.metadata.get("namespace")
+    if service != f"{name}{HEAD_SERVICE_SUFFIX}" or (domain and namespace and domain.split(".")[0] != namespace):
+        return None  # another RayCluster's head: its size is not in this manifest
+    return cluster.capacity_ceiling
 
 
 def load_raycluster_manifest(path: str | Path = DEFAULT_MANIFEST) -> dict[str, Any]:
@@ -184,7 +248,9 @@ def _config_model(annotation: Any) -> type[BaseModel] | None:
 __all__ = [
     "DEFAULT_MANIFEST",
     "KubeRayManifestError",
+    "attached_raycluster_ceiling",
     "kuberay_cluster_from_manifest",
     "load_raycluster_manifest",
+    "raycluster_ceiling",
     "raycluster_config_from_manifest",
 ]

@@ -7,6 +7,8 @@
 
 
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from dagster_ray import Lifecycle, LocalRay, RayResource
@@ -44,6 +46,15 @@ class RayDataOptions(RayDataExecutionOptions):
 # and a field typed as dagster-ray's class would come back as that class.
 def ray_data_options_field() -> Any:
     return Field(default_factory=RayDataOptions, description=RayDataOptions.__doc__.splitlines()[0])
+
+
+@dataclass(frozen=True)
+class ClusterCeiling:
+    """The Ray nodes a cluster has at its largest (a KubeRay worker group at ``maxReplicas``), and
+    where that limit is set, for messages."""
+
+    nodes: tuple[Mapping[str, float], ...]
+    where: str
 
 
 class _SharesRunningRay:
@@ -152,6 +163,14 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
         return super().connect(context)
 
     @property
+    def capacity_ceiling(self) -> ClusterCeiling | None:
+        """The largest size of deploy/kuberay/raycluster.yaml's RayCluster when the address is its
+        head service (as docs/scaling_out.md points `tessera reproduce` at it), else unknown."""
+        from resources.kuberay_cluster import attached_raycluster_ceiling  # it builds on this module
+
+        return attached_raycluster_ceiling(self.address)
+
+    @property
     def host(self) -> str:
         """The head node's host as the address names it (``[::1]`` keeps its brackets, so
         dagster-ray's ``dashboard_url`` stays a valid URL)."""
@@ -224,13 +243,23 @@ def wait_until_reachable(address: str, timeout_s: float) -> None:
 
 
 def check_cluster_capacity(training_config, ray_cluster: Any, log: Any, poll_s: float = 1.0) -> None:
-    """Fail before Ray Train waits for ever for a worker group the connected cluster cannot hold.
-    A cluster that adds nodes on demand (``autoscaling``) only gets a warning: the nodes may come.
-    An external cluster gets ``connect_timeout_s`` for nodes that are still joining (a cluster
-    started moments ago); in-process Ray has all it will ever have at once."""
+    """Fail before Ray Train waits for ever for a worker group the connected cluster cannot hold;
+    the one decision for the training asset and ``tessera reproduce``.
+
+    A cluster whose largest size is known (``capacity_ceiling``: a KubeRay RayCluster's worker
+    groups at ``maxReplicas``) refuses a group larger than that at once and waits for its autoscaler
+    below it. Any other cluster that adds nodes on demand (``autoscaling``) only gets a warning: the
+    nodes may come. An external cluster gets ``connect_timeout_s`` for nodes that are still joining
+    (a cluster started moments ago); in-process Ray has all it will ever have at once."""
     from training_core.errors import ConfigError
 
     if (shortfall := training_config.capacity_shortfall(alive_node_resources())) is None:
+        return
+    if (ceiling := getattr(ray_cluster, "capacity_ceiling", None)) is not None:
+        if (never := training_config.capacity_shortfall(ceiling.nodes)) is not None:
+            raise ConfigError(f"num_workers={training_config.num_workers} with use_gpu={training_config.use_gpu} "
+                              f"can never run on {ceiling.where}, even at its largest: {never}")
+        log.warning(f"{shortfall}; waiting for nodes to join: {ceiling.where} holds the worker group at its largest")
         return
     if getattr(ray_cluster, "autoscaling", True):
         log.warning(f"{shortfall}; waiting for the cluster's autoscaler to add nodes")
@@ -257,6 +286,6 @@ def gpu_available_in_cluster() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-__all__ = ["LocalRayCluster", "ExternalRayCluster", "RayClusterUnreachable", "RayDataOptions", "RayResource",
-           "alive_node_resources", "check_cluster_capacity", "connect_to_cluster", "connect_unless_connected",
-           "gpu_available_in_cluster", "wait_until_reachable"]
+__all__ = ["ClusterCeiling", "LocalRayCluster", "ExternalRayCluster", "RayClusterUnreachable", "RayDataOptions",
+           "RayResource", "alive_node_resources", "check_cluster_capacity", "connect_to_cluster",
+           "connect_unless_connected", "gpu_available_in_cluster", "wait_until_reachable"]

@@ -395,7 +395,7 @@ def test_reproduce_reads_the_cache_under_the_cache_resources_quota_and_policy(tr
     monkeypatch.setattr(reproduce, "local_resources", lambda: resources)
     monkeypatch.setattr(reproduce, "_connect_to_ray", lambda address: None)
     monkeypatch.setattr(reproduce, "gpu_available_in_cluster", lambda: False)
-    monkeypatch.setattr(reproduce, "alive_node_resources", lambda: [{"CPU": 64.0}])
+    monkeypatch.setattr("resources.ray_cluster.alive_node_resources", lambda: [{"CPU": 64.0}])
     monkeypatch.setattr(reproduce, "run_tracked_training", capture)
     with pytest.raises(_Stop):
         reproduce.reproduce_run(run_id, Console(file=StringIO()))

@@ -54,7 +54,7 @@ def _reproduce_until_training(monkeypatch, run_id: str) -> dict:
 
     monkeypatch.setattr(reproduce, "_connect_to_ray", lambda ray_cluster: None)
     monkeypatch.setattr(reproduce, "gpu_available_in_cluster", lambda: False)
-    monkeypatch.setattr(reproduce, "alive_node_resources", lambda: [{"CPU": 64.0}])
+    monkeypatch.setattr("resources.ray_cluster.alive_node_resources", lambda: [{"CPU": 64.0}])
     monkeypatch.setattr(reproduce, "run_tracked_training", record)
     with pytest.raises(_Trained):
         reproduce.reproduce_run(run_id, Console(file=StringIO()))
@@ -117,7 +117,7 @@ def test_a_reproduction_that_stops_early_leaves_no_checkpoints_behind(home, monk
     other_run.mkdir(parents=True)
     monkeypatch.setattr(reproduce, "_connect_to_ray", lambda ray_cluster: None)
     monkeypatch.setattr(reproduce, "gpu_available_in_cluster", lambda: False)
-    monkeypatch.setattr(reproduce, "alive_node_resources", lambda: [{"CPU": 64.0}])
+    monkeypatch.setattr("resources.ray_cluster.alive_node_resources", lambda: [{"CPU": 64.0}])
     monkeypatch.setattr(reproduce, "run_tracked_training", train_then_stop)
     with pytest.raises(type(interruption)):
         reproduce.reproduce_run(run_id, Console(file=StringIO()))
