@@ -8,20 +8,27 @@ group walker and the render of the Helm values' K8sRunLauncher block used by the
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import kubernetes.client
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from dagster_k8s.models import k8s_model_from_dict, k8s_snake_case_dict
 
 from resources.kuberay_cluster import load_raycluster_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
+DOCKERFILE = DEPLOY / "Dockerfile"
 VALUES = DEPLOY / "dagster" / "values.yaml"
 RAYCLUSTER = DEPLOY / "kuberay" / "raycluster.yaml"
 NAMESPACE = "tessera"
+# The base image's `ray` user: uid 1000, primary group `users` (gid 100). Pods that write the shared
+# volume run with this fsGroup.
+IMAGE_UID, IMAGE_GID = 1000, 100
 
 
 def _documents(path: Path) -> list[Any]:
@@ -105,3 +112,66 @@ def _render_k8s_run_launcher(values: dict[str, Any]) -> dict[str, Any]:
     if launcher.get("runK8sConfig"):
         rendered["run_k8s_config"] = {CHART_RUN_K8S_CONFIG[k]: v for k, v in launcher["runK8sConfig"].items()}
     return rendered
+
+
+# --- the image: which of pyproject's requirements deploy/Dockerfile installs ------------------------
+
+INSTALLS_THE_PROJECT = re.compile(r'^RUN pip install [^\n]*"\.\[([^\]]*)\]"', re.MULTILINE)
+
+
+def image_extras(dockerfile: str) -> set[str]:
+    """The project extras of the Dockerfile's `pip install ".[a,b]"`."""
+    (extras,) = INSTALLS_THE_PROJECT.findall(dockerfile)
+    return {extra.strip() for extra in extras.split(",") if extra.strip()}
+
+
+def image_requirements(dockerfile: str, pyproject: str) -> dict[str, Requirement]:
+    """Canonical distribution name -> requirement, for everything the image installs from pyproject."""
+    project = tomllib.loads(pyproject)["project"]
+    optional = project.get("optional-dependencies", {})
+    extras = image_extras(dockerfile)
+    if unknown := extras - set(optional):
+        raise ValueError(f"deploy/Dockerfile installs extras pyproject.toml does not define: {sorted(unknown)}")
+    specs = [*project["dependencies"], *(spec for extra in sorted(extras) for spec in optional[extra])]
+    return {canonicalize_name(Requirement(spec).name): Requirement(spec) for spec in specs}
+
+
+# --- the instance: classes the chart's dagster.yaml names ------------------------------------------
+# As helm/dagster/templates/configmap-instance.yaml and helpers/instance/*.tpl of the chart write them
+# for the types our values choose; a type missing here fails the test that uses it.
+
+CHART_INSTANCE_CLASSES = {
+    ("scheduler", "DagsterDaemonScheduler"): ("dagster._core.scheduler", "DagsterDaemonScheduler"),
+    ("runLauncher", "K8sRunLauncher"): ("dagster_k8s", "K8sRunLauncher"),
+    ("runLauncher", "CeleryK8sRunLauncher"): ("dagster_celery_k8s", "CeleryK8sRunLauncher"),
+    ("runCoordinator", "QueuedRunCoordinator"): ("dagster._core.run_coordinator", "QueuedRunCoordinator"),
+    ("computeLogManager", "NoOpComputeLogManager"): ("dagster._core.storage.noop_compute_log_manager", "NoOpComputeLogManager"),
+    ("computeLogManager", "S3ComputeLogManager"): ("dagster_aws.s3.compute_log_manager", "S3ComputeLogManager"),
+    ("computeLogManager", "GCSComputeLogManager"): ("dagster_gcp.gcs.compute_log_manager", "GCSComputeLogManager"),
+    ("computeLogManager", "AzureBlobComputeLogManager"): ("dagster_azure.blob.compute_log_manager", "AzureBlobComputeLogManager"),
+}
+# The chart's storage is always PostgreSQL (its own subchart or an external server).
+CHART_STORAGE_CLASSES = {
+    "run_storage": ("dagster_postgres.run_storage", "PostgresRunStorage"),
+    "event_log_storage": ("dagster_postgres.event_log", "PostgresEventLogStorage"),
+    "schedule_storage": ("dagster_postgres.schedule_storage", "PostgresScheduleStorage"),
+}
+
+
+def rendered_instance_classes(values: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """dagster.yaml setting -> (module, class) that every Dagster process of the chart imports."""
+    daemon = values.get("dagsterDaemon", {})
+    coordinator = daemon.get("runCoordinator", {})
+    chosen = {  # the chart's defaults where our values leave a type out
+        "scheduler": ("scheduler", values.get("scheduler", {}).get("type", "DagsterDaemonScheduler")),
+        "run_launcher": ("runLauncher", values["runLauncher"]["type"]),
+        "compute_logs": ("computeLogManager", values.get("computeLogManager", {}).get("type", "NoOpComputeLogManager")),
+    }
+    if daemon.get("enabled", True) and coordinator.get("enabled"):
+        chosen["run_coordinator"] = ("runCoordinator", coordinator["type"])
+    return {**CHART_STORAGE_CLASSES, **{setting: CHART_INSTANCE_CLASSES[key] for setting, key in chosen.items()}}
+
+
+def distribution_of(module: str) -> str:
+    """The distribution that ships a Dagster module: `dagster._core.x` -> dagster, `dagster_k8s` -> dagster-k8s."""
+    return canonicalize_name(module.split(".")[0])

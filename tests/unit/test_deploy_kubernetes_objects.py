@@ -8,7 +8,9 @@ dagster-ray resource from it.
 
 from __future__ import annotations
 
+import ast
 import copy
+import inspect
 import logging
 import re
 import sys
@@ -22,7 +24,7 @@ import yaml
 from dagster_ray import RayResource
 
 from deploy.k8s_executor import EXECUTOR_NAME, tessera_k8s_executor
-from deploy.k8s_tags import GPU_RESOURCE, TRAINING_ASSET
+from deploy.k8s_tags import GPU_RESOURCE, GPU_TOLERATIONS, TRAINING_ASSET
 from resources.kuberay_cluster import (
     KubeRayManifestError,
     kuberay_cluster_from_manifest,
@@ -31,6 +33,9 @@ from resources.kuberay_cluster import (
 from tests.unit.deploy_support import (
     CONFIG_MAP,
     DEPLOY,
+    DOCKERFILE,
+    HELM_VALUES,
+    IMAGE_GID,
     K8S_OBJECTS,
     NAMESPACE,
     RAY_MANIFEST,
@@ -132,16 +137,41 @@ def test_ray_and_python_versions_match_the_image_and_the_environment():
     ray_version = version("ray")
     assert RAY_MANIFEST["spec"]["rayVersion"] == ray_version
     python_tag = f"py{sys.version_info.major}{sys.version_info.minor}"
-    base_image = re.search(r"^FROM (\S+)", (DEPLOY / "Dockerfile").read_text(), re.MULTILINE).group(1)
+    base_image = re.search(r"^FROM (\S+)", DOCKERFILE.read_text(), re.MULTILINE).group(1)
     assert base_image == f"rayproject/ray:{ray_version}-{python_tag}-gpu"
-    assert f"rayproject/ray:{ray_version}-{python_tag}-gpu" in RAYCLUSTER.read_text()
+
+
+def test_ray_pods_run_the_code_locations_image():
+    """Ray Client needs the driver (a step pod, started from the code location's image) and the
+    cluster on the same Python, Ray and Tessera code: one image, built from deploy/Dockerfile."""
+    (deployment,) = HELM_VALUES["dagster-user-deployments"]["deployments"]
+    code_location_image = f"{deployment['image']['repository']}:{deployment['image']['tag']}"
+    images = {c["image"] for g in _ray_groups(RAY_MANIFEST) for c in g["template"]["spec"]["containers"]}
+    assert images == {code_location_image}
 
 
 def test_head_exposes_the_ray_client_port_dagster_ray_connects_to():
+    """KubeRay names the head service's ports and `status.endpoints` after the container's port
+    names; dagster-ray waits for `status.endpoints.dashboard` and connects to the `client` port."""
     cluster = kuberay_cluster_from_manifest(RAYCLUSTER)
     (head_container,) = RAY_MANIFEST["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
-    ports = {port["containerPort"] for port in head_container["ports"]}
-    assert {cluster.redis_port, cluster.dashboard_port, 6379} <= ports
+    ports = {port["name"]: port["containerPort"] for port in head_container["ports"]}
+    assert ports == {"gcs-server": 6379, "dashboard": cluster.dashboard_port, "client": cluster.redis_port}
+
+
+def test_gpu_worker_pods_tolerate_the_gpu_taint():
+    gpu_groups = [g for g in RAY_MANIFEST["spec"]["workerGroupSpecs"]
+                  if any(GPU_RESOURCE in c["resources"]["limits"] for c in g["template"]["spec"]["containers"])]
+    assert gpu_groups
+    for group in gpu_groups:
+        tolerations = group["template"]["spec"].get("tolerations", [])
+        assert all(t in tolerations for t in GPU_TOLERATIONS), (group["groupName"], tolerations)
+
+
+@pytest.mark.parametrize("group", _ray_groups(RAY_MANIFEST), ids=lambda g: g.get("groupName", "head"))
+def test_ray_pods_write_the_shared_volume_as_the_images_group(group):
+    # Ray Train's controller (head) and workers write checkpoints on tessera-state as the `ray` user.
+    assert group["template"]["spec"]["securityContext"]["fsGroup"] == IMAGE_GID
 
 
 def test_every_ray_pod_mounts_the_shared_state_where_ray_storage_lives():
@@ -158,6 +188,61 @@ def test_every_ray_pod_mounts_the_shared_state_where_ray_storage_lives():
     assert Path(ray_storage).is_relative_to(CONFIG_MAP["data"]["TESSERA_HOME"])
     # A hub base model is loaded by its snapshot path in every pod: the Hugging Face cache is shared too.
     assert Path(CONFIG_MAP["data"]["HF_HOME"]).is_relative_to(CONFIG_MAP["data"]["TESSERA_HOME"])
+
+
+# --- RBAC: what dagster-ray's KubeRay client calls, the step pods' service account may do --------------
+
+_KUBERAY_CLIENT_MODULES = ("dagster_ray.kuberay.client.base", "dagster_ray.kuberay.client.raycluster.client")
+_API_VERBS = {"read": "get", "get": "get", "list": "list", "create": "create", "delete": "delete",
+              "patch": "patch", "replace": "update"}
+_CORE_V1_RESOURCES = {"pod": "pods", "pod_log": "pods/log", "endpoints": "endpoints", "service": "services"}
+
+
+def _kuberay_client_permissions() -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) of every Kubernetes API call in dagster-ray's RayCluster client:
+    `self._api` is a CustomObjectsApi on RayClusters, `self._core_v1_api` a CoreV1Api."""
+    needed = set()
+    for module_name in _KUBERAY_CLIENT_MODULES:
+        module = __import__(module_name, fromlist=["_"])
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Attribute) and node.func.value.attr in ("_api", "_core_v1_api")):
+                continue
+            method = node.func.attr  # e.g. get_namespaced_custom_object_status, read_namespaced_pod_log
+            action, _, target = method.partition("_namespaced_")
+            assert action in _API_VERBS, f"{module_name}: unknown Kubernetes API call {method}"
+            if node.func.value.attr == "_api":
+                resource = "rayclusters/status" if target.endswith("_status") else "rayclusters"
+                needed.add(("ray.io", resource, _API_VERBS[action]))
+            else:
+                assert target in _CORE_V1_RESOURCES, f"{module_name}: unknown CoreV1Api call {method}"
+                needed.add(("", _CORE_V1_RESOURCES[target], _API_VERBS[action]))
+    return needed
+
+
+def _rbac(kind: str) -> dict:
+    (doc,) = [d for p, d in K8S_OBJECTS if p.name == "rbac.yaml" and d["kind"] == kind]
+    return doc
+
+
+def test_role_grants_every_call_dagster_rays_kuberay_client_makes():
+    needed = _kuberay_client_permissions()
+    # find by name, create when missing, wait for status and endpoints, read head logs, delete
+    assert {("ray.io", "rayclusters", "get"), ("ray.io", "rayclusters", "create"),
+            ("ray.io", "rayclusters", "delete"), ("ray.io", "rayclusters/status", "get"),
+            ("", "endpoints", "get")} <= needed
+    granted = {(group, resource, verb) for rule in _rbac("Role")["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    assert needed - granted == set()
+
+
+def test_role_is_bound_to_the_service_account_of_the_run_and_step_pods():
+    role, binding = _rbac("Role"), _rbac("RoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    account = HELM_VALUES["global"]["serviceAccountName"]
+    assert HELM_VALUES["serviceAccount"]["name"] == account
+    assert {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE} in binding["subjects"]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NAMESPACE
 
 
 # --- kuberay_cluster_from_manifest ----------------------------------------------------------------
@@ -191,6 +276,26 @@ def test_ephemeral_mode_lets_dagster_ray_name_and_delete_the_cluster():
               for c in g["template"]["spec"]["containers"]}
     assert images == {"registry/tessera:abc123"}
     assert RAY_MANIFEST["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"] == "tessera:latest"
+
+
+@pytest.mark.parametrize("ephemeral", [False, True], ids=["code location (attach)", "ephemeral"])
+def test_a_raycluster_dagster_creates_runs_the_image_of_the_run(ephemeral, monkeypatch):
+    """The body dagster-ray's `KubeRayCluster.create` sends (for a missing tessera-ray, or one
+    cluster per step) names the run's image, which the K8sRunLauncher records as `dagster/image`,
+    not the manifest's `tessera:latest`."""
+    for name in ("TESSERA_RAY_STORAGE", "MLFLOW_TRACKING_URI"):
+        monkeypatch.setenv(name, CONFIG_MAP["data"][name])
+    from pipelines import resources_kubernetes
+
+    cluster = (resources_kubernetes.kuberay_cluster_on_the_run_image(RAYCLUSTER, ephemeral=True) if ephemeral
+               else resources_kubernetes.kubernetes_resources()["ray_cluster"])
+    run_image = "registry/tessera:0123abcd"
+    context = types.SimpleNamespace(log=logging.getLogger(__name__),
+                                    dagster_run=types.SimpleNamespace(tags={"dagster/image": run_image}))
+    body = cluster.ray_cluster.to_k8s(context, image=cluster.get_image(context), labels={}, annotations={}, env_vars={})
+    assert {c["image"] for g in _ray_groups(body) for c in g["template"]["spec"]["containers"]} == {run_image}
+    assert body["metadata"].get("name") == (None if ephemeral else RAY_MANIFEST["metadata"]["name"])
+    assert cluster.lifecycle.cleanup == ("always" if ephemeral else "never")
 
 
 def test_production_style_definitions_load_with_kuberay_and_the_k8s_executor():

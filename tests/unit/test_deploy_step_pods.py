@@ -34,6 +34,7 @@ from deploy.k8s_tags import (
 from tests.unit.deploy_support import (
     CONFIG_MAP,
     HELM_VALUES,
+    IMAGE_GID,
     RAY_MANIFEST,
     REPO,
     STATE_PVC,
@@ -187,6 +188,8 @@ def test_step_pods_as_dagster_k8s_builds_them(training_on_kuberay, with_op_tags)
                    for s in container.env_from}
         assert ("tessera-config", None) in sources and (None, "tessera-secrets") in sources
         assert [m.mount_path for m in container.volume_mounts if m.name == "tessera-state"] == ["/var/lib/tessera"]
+        # the image runs as `ray`: the volume's files are group-writable for the image's group
+        assert pod.security_context.fs_group == IMAGE_GID, asset_name
         assert pod.service_account_name == HELM_VALUES["global"]["serviceAccountName"]
     assert gpu_steps == (set() if training_on_kuberay else {TRAINING_ASSET})
 
