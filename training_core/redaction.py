@@ -18,6 +18,8 @@ _URI = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"<>`]+")
 _TRAILING_PUNCTUATION = ".,;:!?)]}'"  # the message's, after a URI ("… at 'http://h/x?sig=…': not found")
 # Stores whose userinfo names a container, not a person: abfs://container@account.dfs.core.windows.net/…
 _CONTAINER_USERINFO = ("abfs", "abfss", "az", "adl")
+# Database URIs, read by SQLAlchemy: "user:" up to the next "@" is always userinfo, whatever follows ":".
+_SQLALCHEMY_SCHEMES = ("postgresql", "mysql", "mariadb", "mssql", "oracle")
 
 
 def redact_uri(text: str) -> str:
@@ -37,7 +39,7 @@ def _redacted_match(match: re.Match[str]) -> str:
 
 def _redacted(uri: str) -> str:
     scheme, _, rest = uri.partition("://")
-    authority_end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    authority_end = _authority_end(scheme, rest)
     authority, tail = rest[:authority_end], rest[authority_end:]
     userinfo, at, host = authority.rpartition("@")  # rpartition: a raw "@" in a password stays in it
     if at and ":" in userinfo:
@@ -49,6 +51,26 @@ def _redacted(uri: str) -> str:
         query, hash_mark, fragment = query.partition("#")
         query = "&".join(map(_redacted_parameter, query.split("&"))) + hash_mark + fragment
     return f"{scheme}://{authority}{path}{question}{query}"
+
+
+def _authority_end(scheme: str, rest: str) -> int:
+    """Where the authority of `rest` (the URI after "scheme://") ends. By RFC 3986 that is the first "/",
+    "?" or "#", but operators paste passwords holding them raw, and SQLAlchemy sends everything from
+    "user:" to the next "@" as the password (`postgresql://mlflow:Zx8/k+Qw@db/mlflow`): so where the
+    RFC's authority reads as "user:…" it runs on past the next "@" to the host's end. Outside a
+    database URI, "host:<digits>" is a host and port (`http://minio:9000/exports/alice@example.com/…`)."""
+    rfc_end = _first_delimiter(rest, 0)
+    authority = rest[:rfc_end]
+    at = rest.find("@", rfc_end)
+    _, colon, after_colon = authority.partition(":")
+    is_port = after_colon.isdigit() and scheme.lower().split("+")[0] not in _SQLALCHEMY_SCHEMES
+    if "@" in authority or at < 0 or not colon or is_port or authority.startswith("["):
+        return rfc_end  # userinfo already whole, none, or a host (with its port, or an IPv6 literal)
+    return _first_delimiter(rest, at)
+
+
+def _first_delimiter(rest: str, start: int) -> int:
+    return min((i for i in (rest.find(d, start) for d in "/?#") if i >= 0), default=len(rest))
 
 
 def _redacted_parameter(parameter: str) -> str:
