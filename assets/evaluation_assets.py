@@ -7,7 +7,7 @@ from typing import Literal
 
 import dagster as dg
 from dagster_ray import RayResource
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
@@ -16,7 +16,7 @@ from resources import MlflowTracker, TesseraStorage
 from resources.ray_cluster import connect_unless_connected, gpu_available_in_cluster
 from training_core.base_model import BaseModelRef
 from training_core.data.window import DatasetWindow
-from training_core.errors import EmptyPartitionError, LineageError
+from training_core.errors import ConfigError, EmptyPartitionError, LineageError
 from training_core.evaluate.compare import (
     CHAMPION_UNRECORDED, EvaluationJob, EvaluationReport, champion_not_comparable, run_evaluation,
 )
@@ -30,24 +30,28 @@ CHAMPION_ALIAS = "champion"
 MAX_LOSS_RATIO = 1.0
 # "Not worse than the champion": at most 5 % higher held-out loss than the current champion.
 CHAMPION_TOLERANCE = 0.05
+# The loosest max_loss_ratio: a trained model with twice the base's loss. Above it, a gate set as a percentage.
+MAX_LOSS_RATIO_LIMIT = 2.0
 # Said of a champion that cannot be compared: the gate passes, so it does not hold on to the alias.
 _REPLACED = f"a model that passes the other gate replaces it as {CHAMPION_ALIAS}"
 
 
 class EvaluationConfig(dg.Config):
     """Promotion gates; the defaults promote only a model that beats the base and holds up against the champion.
-    Dagster rejects a wrong type or unknown field at launch; a value out of range fails the run's first step
-    (assets/launch_checks.py), before anything is trained."""
+    Dagster rejects a wrong type or unknown field at launch; a value out of range, or a device / precision this
+    machine cannot evaluate with in the step's process, fails the run's first step (assets/launch_checks.py),
+    before anything is trained."""
 
     # allow_inf_nan=False: NaN compares false with everything, so it would silently fail (or pass) every gate.
     max_loss_ratio: float = Field(
         MAX_LOSS_RATIO, gt=0, allow_inf_nan=False,
-        description="beats_base_model passes when trained / base held-out loss is below this (1.0: below the base's)",
+        description="beats_base_model passes when trained / base held-out loss is below this (1.0: below the "
+        f"base's; 0.95: at least 5 % below); at most {MAX_LOSS_RATIO_LIMIT:g}",
     )
     champion_tolerance: float = Field(
         CHAMPION_TOLERANCE, ge=0, allow_inf_nan=False,
         description="not_worse_than_champion passes when held-out loss ≤ champion's × (1 + this) "
-        "(0.05: at most 5 % higher)",
+        "(0.05: at most 5 % higher); a fraction below 1",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the models are evaluated: 'auto' is the GPU when the evaluating process "
@@ -60,8 +64,37 @@ class EvaluationConfig(dg.Config):
         "step's process; model folders must be on storage the cluster shares",
     )
 
+    # A percentage typed where a fraction or ratio belongs (5 for "5 %") turned a gate off without a word.
+    @field_validator("max_loss_ratio")
+    @classmethod
+    def _a_ratio(cls, value: float) -> float:
+        if value > MAX_LOSS_RATIO_LIMIT:
+            raise ValueError(f"is a ratio of held-out losses, trained / base (1.0: below the base's loss; 0.95: at "
+                             f"least 5 % below it), at most {MAX_LOSS_RATIO_LIMIT:g}; got {value!r}")
+        return value
+
+    @field_validator("champion_tolerance")
+    @classmethod
+    def _a_fraction(cls, value: float) -> float:
+        if value >= 1:
+            raise ValueError(f"is a fraction below 1 (0.05 means 5 %: at most 5 % higher loss than the champion's); "
+                             f"got {value!r}")
+        return value
+
     def settings(self) -> EvalSettings:
         return EvalSettings(self.device, self.precision, self.batch_size)
+
+    def settings_this_machine_can_run(self) -> EvalSettings:
+        """The settings, refused when this step's own process is to evaluate and this machine has no GPU for
+        them (checked at launch, not after training). A Ray task may get a GPU this machine lacks: not checked."""
+        settings = self.settings()
+        if self.on_ray_cluster or (settings.device != "cuda" and settings.precision != "bf16"):
+            return settings  # nothing to check: torch is not imported for it
+        try:
+            return settings.for_this_process()
+        except ConfigError as error:
+            raise ConfigError(f"{error}, or on_ray_cluster: true to evaluate in a task on the Ray cluster (its GPUs)"
+                              ) from error
 
 
 @dg.asset(

@@ -3,7 +3,9 @@
 Dagster checks only types and unknown fields at launch; ranges and combinations (a batch size of 0,
 ZeRO stage 7, bf16 evaluation on the CPU) are checked when an asset's step builds its config, which
 for evaluation is after training finished. So each step builds every asset's config from the run
-config as that asset's step will, and refuses the run naming every bad `ops.<asset>.config.<field>`."""
+config as that asset's step will, and refuses the run naming every bad `ops.<asset>.config.<field>`.
+Evaluation in the step's own process (not on_ray_cluster) is checked against the machine the check
+runs on: bf16 or device 'cuda' without a GPU is refused there too."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def _asset_configs() -> dict[str, tuple[type[dg.Config], Callable | None]]:
         "training_dataset": (TrainingDatasetConfig, None),
         "base_model": (BaseModelConfig, None),
         "lora_adapter": (TrainingRunConfig, TrainingRunConfig.training_config),  # the training config's checks
-        "evaluation": (EvaluationConfig, EvaluationConfig.settings),
+        "evaluation": (EvaluationConfig, EvaluationConfig.settings_this_machine_can_run),
     }
 
 

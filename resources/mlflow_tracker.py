@@ -5,6 +5,7 @@ import dagster as dg
 from pydantic import Field
 
 from resources.paths import TesseraStorage
+from training_core.errors import ConfigError
 from training_core.redaction import redact_uri
 from training_core.tracking import MlflowTracking
 
@@ -20,6 +21,9 @@ class MlflowTracker(dg.ConfigurableResource):
     ui_url: str = Field("http://127.0.0.1:5000", description="MLflow UI base URL, for links in Dagster")
 
     def client(self) -> MlflowTracking:
+        if not self.experiment.strip():  # MLflow's own refusal names no setting
+            raise ConfigError(f"mlflow_tracker.experiment {self.experiment!r}: expected the name of the MLflow "
+                              "experiment runs are logged to (default 'tessera')")
         uri = self.tracking_uri or f"sqlite:///{self.storage.root / 'mlflow.db'}"
         if self.tracking_uri:
             check_tracking_uri(self.tracking_uri)
@@ -31,8 +35,6 @@ class MlflowTracker(dg.ConfigurableResource):
 
 def _refused(uri: str, problem: str):
     """The ConfigError naming the setting and the URI as shown (its credentials redacted)."""
-    from training_core.errors import ConfigError
-
     return ConfigError(f"mlflow_tracker.tracking_uri {redact_uri(uri)!r}: {problem}")
 
 
@@ -78,19 +80,26 @@ def _check_database_driver(uri: str) -> None:
 
 
 def _check_sqlite_uri(uri: str, scheme: str) -> None:
-    """Only `sqlite:///<file path>` names a database file: `sqlite://` is an in-memory database
-    (every run gone when the process ends) and `sqlite:/path` is no URL SQLAlchemy can parse."""
+    """Only `sqlite:///<absolute file path>` names one database for every process: `sqlite://` and
+    `sqlite:///:memory:` are in-memory databases (every run gone when the process ends), a relative path
+    (`sqlite:///mlflow.db`, MLflow's quick-start spelling) is a store in each process's working directory
+    (a run logged by one step is not found by the next), and `sqlite:/path` is no URL SQLAlchemy can parse."""
     from pathlib import Path
 
     prefix = f"{scheme}:///"
-    database = uri.removeprefix(prefix) if uri.startswith(prefix) else ""
-    if not database.split("?", 1)[0]:
+    database, _, query = (uri.removeprefix(prefix) if uri.startswith(prefix) else "").partition("?")
+    if not database or database == ":memory:" or "mode=memory" in query:
         problem = ("names no database file, so SQLite would keep every run in memory and lose them when the "
                    "process ends" if uri.startswith(prefix) or uri.rstrip("/") == f"{scheme}:"
                    else "is not a SQLite URL MLflow can open")
         raise _refused(uri, f"{problem}; use sqlite:///<file path> (sqlite:////data/mlflow.db for /data/mlflow.db)")
     path = Path(database)
-    if str(path) != ":memory:" and not path.parent.is_dir():
+    if not path.is_absolute():
+        raise _refused(uri, f"the database path {database!r} is relative, so each process would open the store in "
+                            "its own working directory (a run logged by one step not found by the next); use an "
+                            f"absolute path (four slashes): {prefix}{Path.cwd() / path} for {path} here, or "
+                            "leave tracking_uri unset for <home>/mlflow.db")
+    if not path.parent.is_dir():
         raise _refused(uri, f"folder {path.parent} does not exist")
 
 

@@ -272,7 +272,7 @@ def test_demo_hidden_size_must_split_into_the_heads():
     ("127.0.0.1:5000", "expected a URI with scheme"),
     ("sqlite:////nonexistent/dir/mlflow.db", "folder /nonexistent/dir does not exist"),
 ])
-def test_mlflow_tracking_uris_that_would_misread_or_start_empty_are_refused(uri, message):
+def test_mlflow_tracking_uris_that_would_misread_or_start_empty_are_refused(tmp_path, uri, message):
     import socket
 
     from resources.mlflow_tracker import check_tracking_uri
@@ -282,7 +282,7 @@ def test_mlflow_tracking_uris_that_would_misread_or_start_empty_are_refused(uri,
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
-        for good in (f"http://127.0.0.1:{server.getsockname()[1]}", "sqlite:///:memory:"):
+        for good in (f"http://127.0.0.1:{server.getsockname()[1]}", f"sqlite:///{tmp_path / 'mlflow.db'}"):
             check_tracking_uri(good)
 
 
