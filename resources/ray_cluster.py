@@ -6,6 +6,7 @@
 """
 
 
+import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -123,6 +124,10 @@ class LocalRayCluster(_SharesRunningRay, LocalRay):
         return super().connect(context)
 
 
+RAY_ADDRESS_FORMS = ("Ray connects to the head node's GCS address HOST:6379 or its Ray Client address "
+                     "ray://HOST:10001, not to the dashboard / Jobs API URL that `ray job submit` takes (port 8265)")
+
+
 class ExternalRayCluster(_SharesRunningRay, RayResource):
     """A Ray cluster that is already running, reached by its GCS address (e.g. 127.0.0.1:6379)."""
 
@@ -147,6 +152,10 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
     @classmethod
     def _host_and_port(cls, value: str) -> str:
         """'auto', HOST:PORT or ray://HOST:PORT (from TESSERA_RAY_ADDRESS in local definitions)."""
+        scheme, has_scheme, _ = value.partition("://")
+        if has_scheme and scheme != "ray":  # http://HOST:8265 would fail only at DNS, after connect_timeout_s
+            raise ValueError(f"Ray address {value!r} (TESSERA_RAY_ADDRESS or ray_cluster.address) is a URL "
+                             f"({scheme}://); {RAY_ADDRESS_FORMS}")
         host, _, port = value.removeprefix("ray://").rpartition(":")
         if value != "auto" and not (host and port.isdigit() and 0 < int(port) < 65536):
             raise ValueError(f"Ray address {value!r} (TESSERA_RAY_ADDRESS or ray_cluster.address): "
@@ -223,23 +232,59 @@ def connect_unless_connected(ray_cluster: RayResource, context) -> None:
 
 
 class RayClusterUnreachable(RuntimeError):
-    """Nothing accepted a connection at the configured Ray address."""
+    """No Ray cluster answers at the configured Ray address: nothing accepts a connection there, or
+    what does is an HTTP server (such as the Ray dashboard), not Ray."""
+
+
+# What ray.init's gRPC channel sends first: a peer that speaks HTTP/2, as Ray's GCS and Ray Client servers
+# do, or a proxy in front of one, answers with an HTTP/2 SETTINGS frame.
+GRPC_CONNECTION_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# Asked only of a peer that did not answer in HTTP/2: some HTTP/1 servers (Python's http.server) answer
+# the preface without a status line.
+HTTP1_REQUEST = b"GET / HTTP/1.0\r\n\r\n"
+HTTP2_SETTINGS_FRAME = 0x04
+PROTOCOL_CHECK_TIMEOUT_S = 2.0
 
 
 def wait_until_reachable(address: str, timeout_s: float) -> None:
     """Return once something accepts TCP connections at ``address`` (HOST:PORT or ray://HOST:PORT),
-    waiting up to ``timeout_s`` (a head node may still be starting); else raise naming the address.
-    ``ray.init`` on a dead address retries for minutes, and dagster-ray retries it for two more, so
-    a typo in TESSERA_RAY_ADDRESS used to hang the step instead of failing it."""
+    waiting up to ``timeout_s`` (a head node may still be starting), and it is not an HTTP/1 server;
+    else raise naming the address. ``ray.init`` on a dead address, or on the dashboard's port, retries
+    for minutes, and dagster-ray retries it for two more, so a typo in TESSERA_RAY_ADDRESS used to
+    hang the step instead of failing it."""
     if address == "auto":
         return
     host, _, port = address.removeprefix("ray://").rpartition(":")
-    if error := connection_refusal(host.strip("[]"), int(port), timeout_s):  # [::1]:6379
+    host = host.strip("[]")  # [::1]:6379
+    if error := connection_refusal(host, int(port), timeout_s):
         raise RayClusterUnreachable(
             f"Ray cluster at {address} (TESSERA_RAY_ADDRESS or ray_cluster.address) did not accept a "
             f"connection within {timeout_s:g} s: {error}. Start it (`ray start --head --port={port}`), fix "
             "the address, or unset TESSERA_RAY_ADDRESS to train on in-process Ray"
         ) from error
+    if status_line := http1_status_line(host, int(port)):
+        raise RayClusterUnreachable(
+            f"Ray address {address} (TESSERA_RAY_ADDRESS or ray_cluster.address): port {port} is an HTTP "
+            f"server (it answered {status_line!r}), not Ray; {RAY_ADDRESS_FORMS}")
+
+
+def http1_status_line(host: str, port: int, timeout_s: float = PROTOCOL_CHECK_TIMEOUT_S) -> str | None:
+    """The status line an HTTP/1 server at ``host:port`` answers with; None for a peer that answers in
+    HTTP/2, or not in HTTP/1 within ``timeout_s`` (a TLS port, a silent one)."""
+    for request in (GRPC_CONNECTION_PREFACE, HTTP1_REQUEST):
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s) as peer:
+                peer.sendall(request)
+                reply = peer.recv(64)
+        except TimeoutError:  # an HTTP/1 server answers the preface at once, if only with an error
+            return None
+        except OSError:
+            continue
+        if reply.startswith(b"HTTP/"):
+            return reply.split(b"\r\n")[0].decode("ascii", errors="replace")
+        if len(reply) >= 9 and reply[3] == HTTP2_SETTINGS_FRAME:  # frame header: 3-byte length, then type
+            return None
+    return None
 
 
 def check_cluster_capacity(training_config, ray_cluster: Any, log: Any, poll_s: float = 1.0) -> None:
@@ -288,4 +333,4 @@ def gpu_available_in_cluster() -> bool:
 
 __all__ = ["ClusterCeiling", "LocalRayCluster", "ExternalRayCluster", "RayClusterUnreachable", "RayDataOptions",
            "RayResource", "alive_node_resources", "check_cluster_capacity", "connect_to_cluster",
-           "connect_unless_connected", "gpu_available_in_cluster", "wait_until_reachable"]
+           "connect_unless_connected", "gpu_available_in_cluster", "http1_status_line", "wait_until_reachable"]
