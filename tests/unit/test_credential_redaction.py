@@ -185,6 +185,7 @@ def test_tracking_uri_errors_name_the_uri_without_its_password(monkeypatch):
             lambda: check_tracking_uri(f"mlflow://admin:{PASSWORD}@127.0.0.1:{port}"),
             lambda: check_tracking_uri(f"sqlite:////nonexistent/dir/mlflow.db?password={PASSWORD}"),
             lambda: check_tracking_uri(f"https://127.0.0.1:{port}/?token={PASSWORD}"),
+            lambda: check_tracking_uri(f"https://admin:pa/{PASSWORD}@127.0.0.1:{port}"),  # a raw "/" in it
         ]
         messages = []
         for refuse in refusals:
@@ -195,6 +196,7 @@ def test_tracking_uri_errors_name_the_uri_without_its_password(monkeypatch):
     assert messages[0] == (f"mlflow_tracker.tracking_uri 'https://admin:***@127.0.0.1:{port}': carries a password, "
                            "which MLflow's errors would print; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
                            "(or MLFLOW_TRACKING_TOKEN) instead")
+    assert messages[4] == messages[0]
     assert messages[3].startswith(f"mlflow_tracker.tracking_uri 'https://127.0.0.1:{port}/?token=***': "
                                   f"no MLflow server accepted a connection at 127.0.0.1:{port}")
     assert messages[1].startswith(f"mlflow_tracker.tracking_uri 'mlflow://admin:***@127.0.0.1:{port}': expected")
