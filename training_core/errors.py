@@ -23,3 +23,7 @@ class ModelNotFoundError(TesseraError):
 
 class LineageError(TesseraError):
     """A recorded input is gone or no longer matches its digest."""
+
+
+class TrainingDivergedError(TesseraError):
+    """The training loss or the trained weights became inf or NaN."""

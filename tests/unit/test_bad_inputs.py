@@ -114,7 +114,7 @@ def test_gpu_only_features_without_use_gpu_are_refused_with_the_config(values, m
     # Impossible on any cluster: refused when the config is built (a Dagster run's first step), not after Ray starts.
     with pytest.raises(ConfigError, match=message):
         parse_training_config(values)
-    assert parse_training_config({**values, "use_gpu": True, "zero_stage": 2}).use_gpu
+    assert parse_training_config({**values, "use_gpu": True, "zero_stage": 2, "precision": "bf16"}).use_gpu
 
 
 def test_a_gpu_run_is_refused_where_no_gpu_is_visible():

@@ -19,6 +19,7 @@ from training_core.errors import ConfigError
 # integer leaves room for any number of ranks. data_seed needs no bound: NumPy's SeedSequence takes any
 # non-negative integer, and the loader passes it in a list ([seed, epoch, ...]), never adds to it.
 MAX_SEED = 2**63 - 1
+MAX_LEARNING_RATE = 1.0
 
 # Settings this code no longer has, dropped when a config is read so that configs recorded with them
 # (MLflow's training_config.json, a checkpoint's progress.json) still parse; digests of recorded
@@ -71,7 +72,8 @@ class TrainingConfig(BaseModel):
 
     micro_batch_size: int = Field(8, description="rows per worker per forward pass")
     gradient_accumulation_steps: int = Field(1, ge=1)
-    learning_rate: float = Field(3e-3, description="peak learning rate")
+    learning_rate: float = Field(3e-3, description="peak learning rate, at most 1 (pretrained models: about 1e-5 to "
+                                 "1e-3)")
     weight_decay: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
     warmup_steps: int = Field(10, ge=0)
@@ -132,6 +134,11 @@ class TrainingConfig(BaseModel):
     def _finite_positive_rate(cls, value: float) -> float:
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"learning_rate must be a finite number > 0, got {value}")
+        # Above 1 Adam moves every weight by about that much per step: the model is destroyed, not tuned,
+        # and the loss settles at chance without any error.
+        if value > MAX_LEARNING_RATE:
+            raise ValueError(f"learning_rate must be at most {MAX_LEARNING_RATE:g}, got {value:g}; fine-tuning a "
+                             "pretrained model uses about 1e-5 to 1e-3 (an exponent left off, such as 5 for 5e-5?)")
         return value
 
     @model_validator(mode="after")
@@ -158,6 +165,10 @@ class TrainingConfig(BaseModel):
             ):
                 if wanted:
                     raise ValueError(f"{feature} needs a GPU; set use_gpu=True on a GPU cluster")
+        if self.attention == "flash_attention_2" and self.precision == "fp32":
+            # transformers only warns when loading; the flash-attn kernels then refuse fp32 on every step.
+            raise ValueError("attention='flash_attention_2' runs in bf16 only (flash-attn has no fp32 kernels), and "
+                             "precision is 'fp32'; set precision='bf16', or attention='sdpa' to train in fp32")
         return self
 
     def check_hardware(self, gpu_available: bool) -> None:

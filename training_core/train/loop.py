@@ -40,6 +40,7 @@ from training_core.train.checkpointing import (
 from training_core.train.config import TrainingConfig
 from training_core.train.deepspeed_config import build_deepspeed_config
 from training_core.train.deepspeed_startup import import_deepspeed, skip_unused_deepspeed_startup
+from training_core.train.divergence import refuse_diverged_training, trainable_weights_norm
 from training_core.train.loss_weighting import check_loss_takes_token_count, loss_to_backpropagate, step_token_count
 from training_core.train.model_setup import (
     apply_method, attention_shape, count_matmul_weights, count_parameters, load_base_model, sliding_window,
@@ -216,7 +217,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
         _maybe_inject_fault(inputs, progress.step, rank, world_size)
         if progress.step % config.checkpoint_every_steps == 0 and progress.step < config.max_steps:
             with timer.checkpoint():  # checkpoint_s, not training time: tokens/s must not depend on the interval
-                _append_mean_losses(progress, unreduced_losses)
+                _append_mean_losses(progress, unreduced_losses, engine.module, config)
                 _report(engine, rank, progress, batches.state_dict())
 
     if progress.step == 0 and not already_finished:
@@ -236,7 +237,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
                               **startup.durations, "time_to_first_step_s": sum(startup.durations.values()),
                               "cpu_cores_visible": len(os.sched_getaffinity(0)),  # 1 per worker when pinned
                               "parameters": total_params, "trainable_parameters": trainable_params}
-    _append_mean_losses(progress, unreduced_losses)
+    _append_mean_losses(progress, unreduced_losses, engine.module, config)
     progress.finished = True
     if already_finished:  # nothing was trained here: report the finished run's model again
         write_model = functools.partial(_copy_finished_model, resumed_from, rank)
@@ -269,17 +270,24 @@ def pin_to_own_cores(local_rank: int, local_world_size: int, cpus_per_worker: in
     os.sched_setaffinity(0, usable[first : first + cpus_per_worker])
 
 
-def _append_mean_losses(progress: TrainingProgress, losses: list[torch.Tensor]) -> None:
+def _append_mean_losses(progress: TrainingProgress, losses: list[torch.Tensor], model,
+                        config: TrainingConfig) -> None:
     """Append the steps since the last report to the loss curve. Each rank holds its share of a
     step's loss (its tokens' summed loss over the step's token count): summed over ranks, that is the
     step's per-token mean, the same on every rank. One all-reduce per report instead of one per
-    step: a collective costs a rendezvous of all ranks, about a millisecond on CPU with gloo."""
+    step: a collective costs a rendezvous of all ranks, about a millisecond on CPU with gloo.
+
+    The same all-reduce sums the norms of every rank's trainable weights, so a run whose loss or
+    weights became inf or NaN fails here, on every rank at once, before the checkpoint or final model
+    that would keep them."""
     if not losses:
         return
-    summed = torch.stack(losses)
-    torch.distributed.all_reduce(summed, op=torch.distributed.ReduceOp.SUM)
+    gathered = torch.stack([*losses, trainable_weights_norm(model).to(losses[0].device)])
+    torch.distributed.all_reduce(gathered, op=torch.distributed.ReduceOp.SUM)
+    *step_losses, weights_norm = gathered.tolist()
     first_step = progress.step - len(losses) + 1
-    progress.loss_history.extend((first_step + offset, value) for offset, value in enumerate(summed.tolist()))
+    refuse_diverged_training(first_step, step_losses, weights_norm, progress.step, config)
+    progress.loss_history.extend((first_step + offset, value) for offset, value in enumerate(step_losses))
     losses.clear()
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
+from collections.abc import Iterator
 from typing import NoReturn
 
 import torch
@@ -20,12 +22,31 @@ def model_dtype(config: TrainingConfig) -> torch.dtype:
     return torch.bfloat16 if config.precision == "bf16" else torch.float32
 
 
+def _packages_needed(config: TrainingConfig) -> Iterator[tuple[str, str, str]]:
+    """(setting, package to import, how to install it) for each configured setting that needs a package
+    where the model is loaded: on the Ray workers, which may run another image than the driver (whose
+    preflight builds a skeleton only, without these packages)."""
+    if config.attention == "flash_attention_2":
+        yield ("attention='flash_attention_2'", "flash_attn", "flash-attn, built against the workers' CUDA torch "
+               "(the Kubernetes image: --build-arg FLASH_ATTN=<version>, docs/scaling_out.md), or set attention='sdpa'")
+    if config.method == "qlora":
+        yield ("method='qlora'", "bitsandbytes", "the gpu extra on the workers: pip install 'tessera[gpu]' "
+               "(the Kubernetes image has it)")
+
+
 def load_base_model(config: TrainingConfig, model_path: str):
     """`from_pretrained` with the configured attention backend and dtype.
 
     Under ZeRO-3 the caller must keep an `HfDeepSpeedConfig` alive before this call, so that
     transformers partitions parameters while loading instead of materialising them on every rank.
+
+    A missing package raises ConfigError, which the training run records and Ray does not retry:
+    every attempt would load the model on the same image without it.
     """
+    for setting, package, install in _packages_needed(config):
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{setting} (training config) needs the {package} package on every training "
+                              f"worker, and this one lacks it; install {install}")
     kwargs: dict = {"dtype": model_dtype(config), "attn_implementation": config.attention}
     if config.method == "qlora":
         from transformers import BitsAndBytesConfig  # GPU only; imported lazily

@@ -1,5 +1,6 @@
 """Failures that every attempt of a training run would repeat: bad data found mid-epoch, a loader
-state that does not fit the data, a GPU setting on a node without one.
+state that does not fit the data, a GPU setting on a node without one or without its package, a loss
+that became NaN (the same seed diverges again).
 
 Ray Train restarts the worker group after any worker error (``FailureConfig.max_failures``) and
 has no way to say "this one is not worth retrying", so each retry would load the model and train
@@ -22,6 +23,7 @@ from training_core.errors import (
     ModelNotFoundError,
     SourceDataError,
     TesseraError,
+    TrainingDivergedError,
 )
 
 RECORD_NAME = "repeatable-failure.json"
@@ -29,7 +31,7 @@ RECORD_NAME = "repeatable-failure.json"
 REPEATABLE_ERRORS: tuple[type[Exception], ...] = (TesseraError, ReaderStateError)
 _BY_NAME = {kind.__name__: kind for kind in (
     TesseraError, SourceDataError, EmptyPartitionError, ConfigError, ModelNotFoundError, LineageError,
-    ReaderStateError,
+    TrainingDivergedError, ReaderStateError,
 )}
 
 
