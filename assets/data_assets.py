@@ -9,7 +9,7 @@ from pydantic import Field
 from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY
 from resources import TesseraStorage
-from training_core.base_model import BaseModelRef, load_tokenizer
+from training_core.base_model import BaseModelRef, check_context_length, load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, PublishedDataset, write_dataset
 from training_core.data.demo_task import MAX_RECORDS_PER_PARTITION, generate_records
 from training_core.data.frozen_records import freeze_records
@@ -101,6 +101,8 @@ def training_dataset(
     """Tokenized (base model's tokenizer), packed Parquet plus a held-out eval split, published
     atomically under datasets/training/<day>/<digest>. The content digest is the data version."""
     refuse_invalid_run_config(context)
+    # Before any row is written: lora_adapter would refuse the rows only after they were cached and Ray started.
+    check_context_length(base_model.name_or_path, config.seq_len)
     spec = DatasetSpec(**config.model_dump(exclude={"max_repeated_records"}))
     tokenizer = load_tokenizer(base_model.name_or_path)
     # The frozen records are read twice, each time as they come: memory holds a batch, not the day.

@@ -155,7 +155,8 @@ def run_tracked_training(
     base_model_checked: bool = False,
 ) -> TrackedRun:
     """Reuse a finished run with identical inputs, or train. `before_training` runs only when
-    training really starts (the asset connects to Ray there, so a reuse never starts Ray).
+    training really starts (the asset connects to Ray there, so a reuse never starts Ray), after
+    the checks that need no Ray (`check_before_launch`) passed.
     ``base_model_checked``: see :func:`check_inputs_are_as_recorded`."""
     lineage = build_lineage_record(
         seed=config.seed,
@@ -182,8 +183,11 @@ def run_tracked_training(
         return earlier
     # Imported before `before_training` starts Ray: a fresh local Ray's own processes take most of
     # both cores for seconds, and this import (torch, transformers, DeepSpeed) would wait behind them.
-    from training_core.train.launcher import run_training
+    from training_core.train.launcher import check_before_launch, run_training
 
+    train_dirs = [str(Path(p) / "train") for p in inputs.dataset_paths]
+    # A config these refuse connects to no cluster and leaves no FAILED MLflow run behind.
+    check_before_launch(config, model_path=inputs.base_model, train_dirs=train_dirs, seq_len=inputs.seq_len)
     if before_training is not None:
         before_training()
     name = ray_run_name(inputs, lineage, run_name_suffix)
@@ -196,7 +200,7 @@ def run_tracked_training(
         result = run_training(
             config,
             model_path=inputs.base_model,
-            train_dirs=[str(Path(p) / "train") for p in inputs.dataset_paths],
+            train_dirs=train_dirs,
             seq_len=inputs.seq_len,
             cache_dir=inputs.cache_directory,
             cache_size_limit_bytes=inputs.cache_size_limit_bytes,
@@ -209,6 +213,7 @@ def run_tracked_training(
             run_name=name,
             output_dir=models_dir,
             recorded_code=CodeIdentity.from_lineage(lineage),  # the workers must run what the lineage records
+            checked_before_launch=True,
         )
         tracking.log_training(run_id, result=result)
     except BaseException:

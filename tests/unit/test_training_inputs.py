@@ -140,14 +140,16 @@ def test_a_caller_that_just_checked_the_base_model_skips_hashing_it_again_but_no
                                      base_model_checked=True)
 
 
-def test_a_run_that_fails_still_records_its_lineage_and_config_in_mlflow(base, tmp_path):
+def test_a_run_that_fails_still_records_its_lineage_and_config_in_mlflow(base, tmp_path, monkeypatch):
     from training_core.errors import ConfigError
+    from training_core.train.ray_trainer import HEALTH_CHECK_INTERVAL_ENV
 
     datasets = [_dataset(base, tmp_path, "2026-11-01", base.digest)]
     tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
-    # Refused in the driver after the MLflow run started: no Ray needed to fail a run.
-    config = TrainingConfig(max_epochs=1, gradient_accumulation_steps=100_000)
-    with pytest.raises(ConfigError, match="not one optimizer step would run"):
+    # Refused in the driver after the MLflow run started (as a trainer is set up): no Ray needed to fail a run.
+    config = TrainingConfig(max_steps=20)
+    monkeypatch.setenv(HEALTH_CHECK_INTERVAL_ENV, "fast")
+    with pytest.raises(ConfigError, match=f"{HEALTH_CHECK_INTERVAL_ENV}='fast'"):
         run_tracked_training(config, _inputs(base, datasets, ["2026-11-01"]), tracking,
                              ray_storage=str(tmp_path / "ray"), models_dir=tmp_path / "models",
                              before_training=lambda: None)

@@ -112,6 +112,21 @@ def check_relaunch_world_size(config: TrainingConfig, run_directory: Path) -> No
     )
 
 
+def check_before_launch(config: TrainingConfig, *, model_path: str, train_dirs: list[str], seq_len: int) -> None:
+    """The driver's checks that need no Ray: the training data (and its rows against the micro
+    batch), seq_len against the model's context, the model's attention and LoRA module names.
+    Each would otherwise fail inside every worker, once per Ray retry. `run_tracked_training` calls
+    it before it connects to Ray or starts an MLflow run; `run_training` calls it unless told so."""
+    warn_about_accelerator_env(config.use_gpu)
+    warn_about_schedule(config)
+    model_config = load_model_config(model_path)
+    rows = check_training_data(train_dirs, config.micro_batch_size, config.num_workers, vocab_size(model_config),
+                               base_model_eos_token_ids(model_path, model_config))
+    check_epochs_hold_an_optimizer_step(config, rows)
+    check_context_length(model_path, seq_len, model_config)
+    check_model_before_start(config, model_config)
+
+
 def run_training(
     config: TrainingConfig,
     *,
@@ -128,6 +143,7 @@ def run_training(
     base_model_identity: str | None = None,
     training_data_identity: list[str] | None = None,
     recorded_code: CodeIdentity | None = None,
+    checked_before_launch: bool = False,
 ) -> TrainingResult:
     """Train on Ray; reruns with the same `run_name` and storage resume from the last checkpoint.
     ``cache_size_limit_bytes`` / ``cache_policy``: those the cache in ``cache_dir`` was warmed with
@@ -135,20 +151,14 @@ def run_training(
     ``training_data_identity``: what a relaunch of `run_name` must train on too, else it is refused
     (default: ``model_path`` and ``train_dirs``; content digests let a moved folder resume).
     ``recorded_code``: the code and library versions the run's lineage records (default: this
-    process's); every worker refuses to train when it runs others."""
+    process's); every worker refuses to train when it runs others. ``checked_before_launch``: the
+    caller already ran :func:`check_before_launch` on these arguments."""
     import ray.train
     from ray.train.torch import TorchConfig
 
     fault_step = fault_step_for(config)
-    warn_about_accelerator_env(config.use_gpu)
-    warn_about_schedule(config)
-    # Before any worker starts.
-    model_config = load_model_config(model_path)
-    rows = check_training_data(train_dirs, config.micro_batch_size, config.num_workers, vocab_size(model_config),
-                               base_model_eos_token_ids(model_path, model_config))
-    check_epochs_hold_an_optimizer_step(config, rows)
-    check_context_length(model_path, seq_len, model_config)
-    check_model_before_start(config, model_config)
+    if not checked_before_launch:
+        check_before_launch(config, model_path=model_path, train_dirs=train_dirs, seq_len=seq_len)
     inputs = WorkerInputs(
         config=config.model_dump(mode="json"),
         model_path=model_path,
