@@ -126,7 +126,10 @@ def test_a_champions_hub_base_model_is_fetched_again_when_its_recorded_snapshot_
     from training_core.tracking import ModelRegistry
 
     trained_on = "/elsewhere/hf/hub/models--org--tiny/snapshots/" + OLD  # another machine's or HF_HOME's cache
+    from tests.unit.test_mlflow_tracking import log_adapter_files
+
     tracking, run_id = _record_hub_run(tmp_path, trained_on, f"hub:org/tiny@{OLD}")
+    log_adapter_files(tracking, run_id, tmp_path / "adapter")
     registry = ModelRegistry(tracking, "adapter", "champion")
     registry.promote(run_id)
     assert registry.base_model_of(registry.champion()) == str(hub_cache / "snapshots" / OLD)

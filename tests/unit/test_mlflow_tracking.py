@@ -83,12 +83,22 @@ def test_library_versions_decide_reuse_and_the_ray_run_name(monkeypatch):
     assert ray_run_name(inputs, upgraded) != ray_run_name(inputs, installed)  # never resumes the old checkpoints
 
 
+def log_adapter_files(tracking: MlflowTracking, run_id: str, folder: Path) -> None:
+    """The files a PEFT adapter's ``model`` artifact holds (contents do not matter to the registry)."""
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "adapter_config.json").write_text("{}")
+    (folder / "model" / "adapter_model.safetensors").write_bytes(b"weights")
+    tracking.client.log_artifacts(run_id, str(folder / "model"), "model")
+
+
 def test_a_promotion_killed_before_the_alias_moved_is_finished_without_a_second_version(tmp_path: Path):
     from training_core.tracking import ModelRegistry
 
     tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
     registry = ModelRegistry(tracking, "adapter", "champion")
     first, second = (tracking.start_run(name, tags={}) for name in ("first", "second"))
+    for run_id in (first, second):
+        log_adapter_files(tracking, run_id, tmp_path / run_id)
     assert registry.promote(first) == ("1", True)
     # killed between create_model_version and set_registered_model_alias:
     source = f"{tracking.client.get_run(second).info.artifact_uri}/model"
@@ -129,10 +139,7 @@ def test_a_champion_whose_artifacts_are_gone_is_named_by_version_and_run(tmp_pat
     registry = ModelRegistry(tracking, "adapter", "champion")
     run_id = tracking.start_run("champion", tags={})
     tracking.log_batch(run_id, params={"base_model": "/models/base"})
-    model = tmp_path / "upload" / "model"
-    model.mkdir(parents=True)
-    (model / "adapter_model.safetensors").write_bytes(b"weights")
-    tracking.client.log_artifacts(run_id, str(model), "model")
+    log_adapter_files(tracking, run_id, tmp_path / "upload")
     registry.promote(run_id)
     local = registry.download(registry.champion(), tmp_path / "first")
     assert registry.base_model_of(registry.champion()) == "/models/base"
@@ -156,6 +163,8 @@ def test_a_champion_whose_run_is_gone_or_recorded_no_base_model_is_named_by_vers
     registry = ModelRegistry(tracking, "adapter", "champion")
     unrecorded, recorded = (tracking.start_run(name, tags={}) for name in ("unrecorded", "recorded"))
     tracking.log_batch(recorded, params={"base_model": "/models/base"})
+    for run_id in (unrecorded, recorded):
+        log_adapter_files(tracking, run_id, tmp_path / run_id)
 
     registry.promote(unrecorded)  # a run from before the lineage record
     with pytest.raises(LineageError, match=rf"^adapter version 1 \(MLflow run {unrecorded}\), alias 'champion': "

@@ -10,12 +10,17 @@ import socket
 from dataclasses import dataclass
 
 from training_core.base_model import load_tokenizer
+from training_core.errors import TesseraError
 from training_core.evaluate.model_folder import check_trained_model_dir
 from training_core.evaluate.results import EvalMetrics
 from training_core.evaluate.settings import EvalSettings
 
 # What a report stored before it recorded its champion reads as (it cannot be promoted safely).
 CHAMPION_UNRECORDED = "(not recorded)"
+
+
+class BaseLossZeroError(TesseraError, ValueError):
+    """The base model scores the held-out records with loss 0: no ratio to it, no model to beat it."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,12 @@ class EvaluationReport:
 
     @property
     def loss_ratio(self) -> float:
+        if self.base.loss == 0:
+            raise BaseLossZeroError(
+                f"MLflow run {self.mlflow_run_id}: the base model scores a held-out loss of 0 on "
+                f"{self.base.examples} examples (it predicts every response token with certainty), so the loss "
+                "ratio trained / base is undefined and no trained model can beat it; check the held-out records "
+                "of the training_dataset partitions evaluated")
         return self.trained.loss / self.base.loss
 
     def as_metrics(self) -> dict[str, float]:
@@ -92,7 +103,9 @@ def champion_not_comparable(champion_base_model: str, base_model: str) -> str | 
     """Why the champion's held-out loss cannot be compared with this model's, or None when it can:
     losses are per token, so both must score the same token sequences (same tokenizer and the same
     bos/eos around each example; the base model itself may differ), and scoring the champion needs its
-    base model. Both sides are read from the base model folders now, never from a stored digest."""
+    base model. Both sides are read from the base model folders now, never from a stored digest; that the
+    champion's folder still holds the weights it trained on is checked where it is looked up
+    (``ModelRegistry.base_model_of``), so the same path here means the same base model."""
     from training_core.base_model import tokenizer_identity
 
     if champion_base_model == base_model:
