@@ -2,6 +2,7 @@
 
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import dagster as dg
 
@@ -9,6 +10,7 @@ from assets.data_assets import refuse_days_that_failed_checks
 from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY
 from resources import RowGroupCache
+from resources.paths import HOME_MARKER
 from training_core.data import warm_cache
 from training_core.data.batch_columns import TRAINING_COLUMNS, TRAINING_TRANSFORM, TRAINING_TRANSFORM_VERSION
 from training_core.data.dataset_writer import PublishedDataset
@@ -28,6 +30,7 @@ def row_group_cache(context: dg.AssetExecutionContext, cache: RowGroupCache, tra
     """Every row group decoded once into the FanoutCache, so training never waits on Parquet decode.
     The cache version is (dataset digest, columns, transform version)."""
     refuse_invalid_run_config(context)
+    refuse_dataset_of_another_state_folder(training_dataset, cache.storage.root, context.partition_key)
     if training_dataset.failed_checks:
         refuse_days_that_failed_checks({context.partition_key: training_dataset.failed_checks}, "row_group_cache")
     cache_config = cache.config()
@@ -54,3 +57,17 @@ def row_group_cache(context: dg.AssetExecutionContext, cache: RowGroupCache, tra
                   "corruptions": report.corruptions, "orphan_files_removed": report.orphan_files_removed},
         data_version=dg.DataVersion(report.cache_version),
     )
+
+
+def refuse_dataset_of_another_state_folder(dataset: PublishedDataset, root: Path, day: str) -> None:
+    """Raise when ``dataset`` was published in a state folder other than ``root``. Dagster keeps step
+    values in DAGSTER_HOME by asset and day only, not by storage.home: a training_dataset materialized
+    with another home was warmed from that home's folder, silently, by a run on this one."""
+    published_in = next((folder for folder in Path(dataset.path).resolve().parents
+                         if (folder / HOME_MARKER).is_file()), None)
+    if published_in is not None and published_in != root:  # a dataset outside any state folder: written directly
+        raise dg.Failure(
+            f"row_group_cache: the stored training_dataset for {day} is {dataset.path}, in state folder "
+            f"{published_in}, not this run's {root} (storage.home / TESSERA_HOME): a run with another storage.home "
+            f"materialized it. Materialize training_dataset for {day} in this state folder first"
+        )

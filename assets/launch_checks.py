@@ -14,6 +14,7 @@ from collections.abc import Callable
 import dagster as dg
 from pydantic import ValidationError
 
+from assets.partitions import day_that_is_not_a_partition
 from training_core.errors import ConfigError
 
 
@@ -23,6 +24,8 @@ def refuse_invalid_run_config(context: dg.AssetExecutionContext) -> None:
         job_def, run_config = context.job_def, context.run.run_config
     except dg.DagsterError:  # invoked directly (`asset(build_asset_context(), ...)`): no run, no other assets
         return
+    if not_a_partition := day_that_is_not_a_partition(context.run.tags):
+        raise dg.Failure(f"run refused before this step did any work: {not_a_partition}")
     if problems := run_config_problems(job_def, run_config):
         raise dg.Failure(f"invalid run config, refused before this step did any work: {'; '.join(problems)}")
 

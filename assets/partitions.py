@@ -1,4 +1,5 @@
 import warnings
+from datetime import date
 
 import dagster as dg
 
@@ -18,6 +19,36 @@ with warnings.catch_warnings():
     TRAINING_WINDOW = dg.TimeWindowPartitionMapping(
         start_offset=-(TRAINING_WINDOW_DAYS - 1), end_offset=0, allow_nonexistent_upstream_partitions=True
     )
+
+
+# The run tags a partition or a range of partitions is launched with (Dagster's own names).
+PARTITION_TAGS = ("dagster/partition", "dagster/asset_partition_range_start", "dagster/asset_partition_range_end")
+
+
+def day_that_is_not_a_partition(run_tags: dict[str, str]) -> str | None:
+    """Why a day this run was launched for is no partition of DAILY, or None. Only `dagster asset
+    materialize --partition` checks the key: a run launched with the tag (`dagster job execute --tags`,
+    a UI run's tags) ran raw_examples, published that day's records, then failed in Dagster's IO manager."""
+    first, last = DAILY.get_first_partition_key(), DAILY.get_last_partition_key()
+    for day in dict.fromkeys(run_tags[tag] for tag in PARTITION_TAGS if tag in run_tags):
+        if DAILY.has_partition_key(day):
+            continue
+        if not _is_iso_day(day):
+            why = f"partitions are days YYYY-MM-DD from {first} to {last}"
+        elif day < first:  # ISO days order as text
+            why = f"the first is {first}"
+        else:  # today (not ended yet) or later; before the first day has ended there is no last
+            why = f"the last is {last}" if last else f"the first, {first}, has not ended yet"
+            why += " (a day becomes a partition once it has ended, UTC)"
+        return f"day {day} is not a partition: {why}"
+    return None
+
+
+def _is_iso_day(text: str) -> bool:
+    try:
+        return date.fromisoformat(text).isoformat() == text  # not 20261207 nor 2026-11-31
+    except ValueError:
+        return False
 
 
 def by_partition(value, context: dg.AssetExecutionContext, input_name: str) -> dict:

@@ -127,7 +127,7 @@ def bench(args: argparse.Namespace) -> int:
 def reproduce(args: argparse.Namespace) -> int:
     # Reads a state folder that recorded the run; creates nothing there (a mistyped --home used to
     # get a dagster/ folder before the refusal).
-    from resources.paths import state_root
+    from resources.paths import refuse_read_only_state, state_root
     from training_core.errors import ConfigError
 
     root = state_root(args.home)
@@ -135,6 +135,8 @@ def reproduce(args: argparse.Namespace) -> int:
         reason = "is a file" if root.exists() else "does not exist"
         raise ConfigError(f"state folder {root} is not usable: it {reason}; pass --home (or TESSERA_HOME) of the "
                           "state folder that recorded the run")
+    if not args.tracking_uri:  # the reproduction is logged into the folder's mlflow.db: refused before Ray starts
+        refuse_read_only_state(root, root, root / "mlflow.db")
     os.environ["TESSERA_HOME"] = str(root)
     from pydantic import ValidationError
 

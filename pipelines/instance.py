@@ -30,10 +30,12 @@ concurrency:
 
 def prepare_home(home: str | None = None) -> Path:
     """Create the state root and DAGSTER_HOME, and export both for this process."""
-    from resources.paths import check_not_moved, state_root
+    from resources.paths import check_not_moved, refuse_read_only_state, state_root
 
     root = state_root(home)
     dagster_home = root / "dagster"
+    # Dagster's and MLflow's SQLite stores there name neither the folder nor the cause when it is read-only
+    refuse_read_only_state(root, root, dagster_home, root / "mlflow.db")
     try:
         dagster_home.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # a file in the way, no permission, a read-only disk

@@ -33,6 +33,19 @@ def state_root(home: str | None) -> Path:
     return root
 
 
+def refuse_read_only_state(root: Path, *paths: Path) -> None:
+    """Raise naming the first existing one of ``paths`` (in the state folder ``root``) this process
+    cannot write. A populated read-only folder otherwise failed inside Dagster's or MLflow's SQLite
+    ("unable to open database file", blaming dagster.yaml) or, in `tessera reproduce`, only after
+    Ray had started ("attempt to write a readonly database" deep in a traceback)."""
+    for path in paths:
+        if path.exists() and not os.access(path, os.W_OK):  # also False on a read-only mount, even for root
+            read_only_disk = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+            why = "on a read-only file system" if read_only_disk else "not writable by this user"
+            raise ConfigError(f"state folder {root} is read-only ({path} is {why}); make it writable, or use a "
+                              "writable state folder (--home / TESSERA_HOME)")
+
+
 class TesseraStorage(dg.ConfigurableResource):
     """State directory layout (contract): dagster/, mlflow.db, mlartifacts/, datasets/, cache/,
     ray/, models/. Deleting the root resets everything."""
