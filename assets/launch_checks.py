@@ -19,7 +19,8 @@ from training_core.errors import ConfigError
 
 
 def refuse_invalid_run_config(context: dg.AssetExecutionContext) -> None:
-    """Raise a dg.Failure naming every invalid asset setting of this run; call first in each asset."""
+    """Raise a dg.Failure naming a day the run was launched for that is no partition, else every
+    invalid asset setting of this run; call first in each asset."""
     try:
         job_def, run_config = context.job_def, context.run.run_config
     except dg.DagsterError:  # invoked directly (`asset(build_asset_context(), ...)`): no run, no other assets
@@ -42,7 +43,7 @@ def _asset_configs() -> dict[str, tuple[type[dg.Config], Callable | None]]:
     """Each asset's Config class and the method that checks its fields together (None: no such method)."""
     # Imported when called: the asset modules import this one.
     from assets.data_assets import RawExamplesConfig, TrainingDatasetConfig
-    from assets.evaluation_assets import EvaluationConfig
+    from assets.evaluation_assets import EvaluationConfig, PromotionConfig
     from assets.model_assets import BaseModelConfig
     from assets.training_assets import TrainingRunConfig
 
@@ -52,6 +53,7 @@ def _asset_configs() -> dict[str, tuple[type[dg.Config], Callable | None]]:
         "base_model": (BaseModelConfig, None),
         "lora_adapter": (TrainingRunConfig, TrainingRunConfig.training_config),  # the training config's checks
         "evaluation": (EvaluationConfig, EvaluationConfig.settings_this_machine_can_run),
+        "promoted_model": (PromotionConfig, None),
     }
 
 

@@ -30,6 +30,9 @@ class TrainedModel:
     base_model: str
     dataset_digest: str
     final_loss: float
+    # The base model's digest it trained on; evaluation refuses another base. Defaulted so values the
+    # io manager pickled before it was recorded still load (they read "": unrecorded).
+    base_model_digest: str = ""
 
 
 class TrainingRunConfig(dg.Config):
@@ -144,7 +147,7 @@ def lora_adapter(
     lookups = telemetry.get("loader_cache_hits", 0) + telemetry.get("loader_cache_misses", 0)
     return dg.Output(
         TrainedModel(result.model_dir, training_config.method, tracked.mlflow_run_id, base_model.name_or_path,
-                     window.digest, losses[-1]),
+                     window.digest, losses[-1], base_model_digest=base_model.digest),
         metadata={
             "mlflow_run": dg.MetadataValue.url(tracker.run_url(tracked.mlflow_run_id, mlflow_tracker.ui_url)),
             "mlflow_run_id": tracked.mlflow_run_id,

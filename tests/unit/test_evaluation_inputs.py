@@ -162,6 +162,21 @@ def test_the_gates_use_the_configured_limits():
     assert _not_worse_than_champion(report, "champ", champion_tolerance=0.2).passed is True
 
 
+def test_a_champion_near_zero_loss_is_matched_within_a_hundredth_of_a_nat():
+    # The demo's days: both models memorize the task; 5 % of 0.0055 would fail a model at 0.0062.
+    assert _not_worse_than_champion(_report(trained_loss=0.0062, champion_loss=0.0055), "champ",
+                                    champion_tolerance=0.05).passed is True
+    assert _not_worse_than_champion(_report(trained_loss=0.0160, champion_loss=0.0055), "champ",
+                                    champion_tolerance=0.05).passed is False
+
+
+def test_a_champion_whose_loss_is_not_finite_is_not_compared():
+    check = _not_worse_than_champion(_report(trained_loss=1.9, champion_loss=float("nan")), "champ",
+                                     champion_tolerance=0.05)
+    assert check.passed is True and check.metadata["compared"].value is False
+    assert check.description.startswith("not compared: the champion scores a held-out loss of nan on these records")
+
+
 class _UnreachableTracker:
     """Promotion must refuse before it looks at the registry."""
 
