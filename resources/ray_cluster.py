@@ -298,9 +298,16 @@ def check_cluster_capacity(training_config, ray_cluster: Any, log: Any, poll_s: 
     (a cluster started moments ago); in-process Ray has all it will ever have at once."""
     from training_core.errors import ConfigError
 
-    if (shortfall := training_config.capacity_shortfall(alive_node_resources())) is None:
+    alive = alive_node_resources()
+    if (shortfall := training_config.capacity_shortfall(alive)) is None:
         return
-    if (ceiling := getattr(ray_cluster, "capacity_ceiling", None)) is not None:
+    ceiling = getattr(ray_cluster, "capacity_ceiling", None)
+    if ceiling is not None and _holds_more_than(alive, ceiling.nodes):
+        # the manifest in the image is older than the RayCluster applied from an operator's checkout
+        log.warning(f"{shortfall}; the cluster already holds more than {ceiling.where} at its largest (a RayCluster "
+                    "applied since with more replicas?): waiting for its autoscaler")
+        return
+    if ceiling is not None:
         if (never := training_config.capacity_shortfall(ceiling.nodes)) is not None:
             raise ConfigError(f"num_workers={training_config.num_workers} with use_gpu={training_config.use_gpu} "
                               f"can never run on {ceiling.where}, even at its largest: {never}")
@@ -315,6 +322,14 @@ def check_cluster_capacity(training_config, ray_cluster: Any, log: Any, poll_s: 
         if (shortfall := training_config.capacity_shortfall(alive_node_resources())) is None:
             return
     raise ConfigError(shortfall)
+
+
+def _holds_more_than(alive: list[dict[str, float]], largest: list[dict[str, float]]) -> bool:
+    """Whether the live nodes exceed a cluster size in nodes, CPUs or GPUs: that size is not the cluster's largest."""
+    def totals(nodes: list[dict[str, float]]) -> tuple[float, float, float]:
+        return len(nodes), sum(n.get("CPU", 0.0) for n in nodes), sum(n.get("GPU", 0.0) for n in nodes)
+
+    return any(live > most for live, most in zip(totals(alive), totals(largest)))
 
 
 def alive_node_resources() -> list[dict[str, float]]:

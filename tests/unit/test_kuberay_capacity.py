@@ -136,3 +136,12 @@ def test_a_worker_group_without_max_replicas_sets_no_ceiling(tmp_path, cluster_a
     with caplog.at_level(logging.WARNING, logger="test"):
         check_cluster_capacity(_gpu_run(64), cluster, logging.getLogger("test"))  # only the autoscaler can tell
     assert caplog.records[0].getMessage().endswith("waiting for the cluster's autoscaler to add nodes")
+
+
+def test_a_cluster_already_larger_than_the_images_manifest_is_waited_for(monkeypatch, caplog):
+    # The RayCluster was applied from an operator's checkout with more replicas than the image's copy names.
+    nodes = [{"CPU": 0.0}] + [{"CPU": 8.0, "GPU": 1.0}] * (MAX_GPU_PODS + 2)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": node} for node in nodes])
+    with caplog.at_level(logging.WARNING):
+        check_cluster_capacity(_gpu_run(MAX_GPU_PODS + 4), kuberay_cluster_from_manifest(), logging.getLogger("test"))
+    assert f"the cluster already holds more than {CEILING} at its largest" in caplog.text
