@@ -32,7 +32,7 @@ MAX_LOSS_RATIO = 1.0
 # "Not worse than the champion": at most 5 % higher held-out loss than the current champion.
 CHAMPION_TOLERANCE = 0.05
 # ...or at most this many nats per token above it, whichever is more: near a loss of 0 (a memorized task, the
-# demo's 0.0055) 5 % is a rounding error, and every later day's model would fail the gate.
+# demo's 0.0055) 5 % is a rounding error, and every later day's model would fail the gate. A tolerance of 0 is strict.
 CHAMPION_SLACK_NATS = 0.01
 # The loosest max_loss_ratio: a trained model with twice the base's loss. Above it, a gate set as a percentage.
 MAX_LOSS_RATIO_LIMIT = 2.0
@@ -55,7 +55,8 @@ class EvaluationConfig(dg.Config):
     champion_tolerance: float = Field(
         CHAMPION_TOLERANCE, ge=0, allow_inf_nan=False,
         description="not_worse_than_champion passes when held-out loss ≤ champion's × (1 + this) "
-        f"(0.05: at most 5 % higher), or ≤ champion's + {CHAMPION_SLACK_NATS:g} if that is more; a fraction below 1",
+        f"(0.05: at most 5 % higher), or ≤ champion's + {CHAMPION_SLACK_NATS:g} if that is more (0: no higher); "
+        "a fraction below 1",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the models are evaluated: 'auto' is the GPU when the evaluating process "
@@ -111,7 +112,8 @@ class EvaluationConfig(dg.Config):
                                       f"(default {MAX_LOSS_RATIO}: below the base's)"),
         dg.AssetCheckSpec("not_worse_than_champion", asset="evaluation", blocking=True,
                           description="held-out loss at most champion_tolerance above the current champion's "
-                                      f"(default {CHAMPION_TOLERANCE:.0%})"),
+                                      f"(default {CHAMPION_TOLERANCE:.0%}), or {CHAMPION_SLACK_NATS:g} nats "
+                                      "where that is more"),
     ],
 )
 def evaluation(
@@ -247,7 +249,8 @@ def _not_worse_than_champion(report: EvaluationReport, champion_run: str | None,
                   else "this run is the champion")
         return dg.AssetCheckResult(check_name="not_worse_than_champion", passed=True, description=reason,
                                    metadata={"compared": False, "champion_run_id": champion_run or ""})
-    limit = report.champion.loss + max(report.champion.loss * champion_tolerance, CHAMPION_SLACK_NATS)
+    slack = max(report.champion.loss * champion_tolerance, CHAMPION_SLACK_NATS) if champion_tolerance > 0 else 0.0
+    limit = report.champion.loss + slack
     return dg.AssetCheckResult(
         check_name="not_worse_than_champion",
         passed=bool(report.trained.loss <= limit),
@@ -307,7 +310,9 @@ def promoted_model(context: dg.AssetExecutionContext, config: PromotionConfig, m
     registry = ModelRegistry(mlflow_tracker.client(), REGISTERED_MODEL, CHAMPION_ALIAS)
     _refuse_if_champion_moved(registry, evaluation, context.partition_key)
     champion = registry.champion()
-    if champion is not None and champion.run_id != evaluation.mlflow_run_id:
+    # A champion evaluation could not score (artifacts or base gone, a NaN loss) is replaced whatever its day.
+    compared = evaluation.champion is not None and math.isfinite(evaluation.champion.loss)
+    if compared and champion is not None and champion.run_id != evaluation.mlflow_run_id:
         if kept_because := _why_champion_stays(context, config, registry, champion, evaluation.mlflow_run_id):
             context.log.info("%s stays %s version %s: %s", CHAMPION_ALIAS, REGISTERED_MODEL, champion.version,
                              kept_because)

@@ -168,6 +168,8 @@ def test_a_champion_near_zero_loss_is_matched_within_a_hundredth_of_a_nat():
                                     champion_tolerance=0.05).passed is True
     assert _not_worse_than_champion(_report(trained_loss=0.0160, champion_loss=0.0055), "champ",
                                     champion_tolerance=0.05).passed is False
+    assert _not_worse_than_champion(_report(trained_loss=0.0056, champion_loss=0.0055), "champ",
+                                    champion_tolerance=0.0).passed is False  # 0: strict
 
 
 def test_a_champion_whose_loss_is_not_finite_is_not_compared():
@@ -499,3 +501,34 @@ def test_damage_the_check_cannot_see_is_named_when_the_adapter_loads(adapter_dir
     with pytest.raises(TrainedModelError, match=rf"trained model folder {re.escape(str(folder))}: could not be loaded "
                                                 r"as a PEFT adapter over .*\(\w+Error: "):
         load_model_for_eval(demo_model.name_or_path, str(folder))
+
+
+@pytest.mark.parametrize(("champion_loss", "alias_moved"), [(float("nan"), True), (1.5, False)])
+def test_an_earlier_day_replaces_only_a_champion_evaluation_could_not_score(tmp_path, champion_loss, alias_moved):
+    # The gate said a model that passes the other gate replaces an unscorable champion: promotion does, whatever its day.
+    from assets.evaluation_assets import CHAMPION_ALIAS, REGISTERED_MODEL, PromotionConfig
+    from resources import MlflowTracker, TesseraStorage
+    from training_core.tracking import ModelRegistry
+
+    tracker = MlflowTracker(storage=TesseraStorage(home=str(tmp_path)))
+    tracking = tracker.client()
+
+    def trained_run(day: str) -> str:
+        run_id = tracking.start_run(f"train-{day}", tags={})
+        tracking.log_batch(run_id, params={"partition_keys": day, "base_model": "/models/base"})
+        model = tmp_path / run_id / "model"
+        model.mkdir(parents=True)
+        (model / "adapter_config.json").write_text("{}")
+        tracking.client.log_artifacts(run_id, str(model), "model")
+        tracking.end_run(run_id)
+        return run_id
+
+    champion, candidate = trained_run("2026-11-05"), trained_run("2026-11-03")
+    ModelRegistry(tracking, REGISTERED_MODEL, CHAMPION_ALIAS).promote(champion)
+    scores = EvaluationReport(EvalMetrics(2.0, 7.4, 0.0, 4), EvalMetrics(1.0, 2.7, 0.0, 4), "/trained", candidate,
+                              champion=EvalMetrics(champion_loss, 4.5, 0.0, 4), failed_gates=(),
+                              champion_run_id=champion)
+    promotion = promoted_model(dg.build_asset_context(partition_key="2026-11-03"), config=PromotionConfig(),
+                               mlflow_tracker=tracker, evaluation=scores)
+    assert promotion.metadata["alias_moved"].value is alias_moved
+    assert promotion.value.run_id == (candidate if alias_moved else champion)
