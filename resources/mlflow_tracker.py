@@ -56,8 +56,8 @@ def check_tracking_uri(uri: str) -> None:
         if "***@" in redact_uri(uri):
             # MLflow's own errors quote the server URI as given (a dropped connection mid-run would put
             # the password in Dagster's event log); the client reads credentials from these variables.
-            raise _refused(uri, "carries a password, which MLflow's errors would print; set MLFLOW_TRACKING_USERNAME "
-                                "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead")
+            raise _refused(uri, "carries credentials (a password or token), which MLflow's errors would print; set "
+                                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead")
         _check_server_listens(uri, scheme)
     if scheme == "sqlite":
         _check_sqlite_uri(uri, urlparse(uri).scheme)

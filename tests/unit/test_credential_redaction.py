@@ -193,8 +193,8 @@ def test_tracking_uri_errors_name_the_uri_without_its_password(monkeypatch):
                 refuse()
             messages.append(str(caught.value))
     # In the URI, MLflow's own errors would print it: refused before anything connects.
-    assert messages[0] == (f"mlflow_tracker.tracking_uri 'https://admin:***@127.0.0.1:{port}': carries a password, "
-                           "which MLflow's errors would print; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
+    assert messages[0] == (f"mlflow_tracker.tracking_uri 'https://admin:***@127.0.0.1:{port}': carries credentials "
+                           "(a password or token), which MLflow's errors would print; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD "
                            "(or MLFLOW_TRACKING_TOKEN) instead")
     assert messages[4] == messages[0]
     assert messages[3].startswith(f"mlflow_tracker.tracking_uri 'https://127.0.0.1:{port}/?token=***': "
