@@ -30,16 +30,13 @@ def _inputs(demo_model, demo_dataset, seq_len: int) -> TrainingInputs:
 ], ids=["micro batch larger than the data", "LoRA target module typo", "seq_len beyond the context"])
 def test_a_refused_config_connects_no_cluster_and_records_no_mlflow_run(config, seq_len, refusal, message, demo_model,
                                                                         demo_dataset, tmp_path):
-    import ray
-
     tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
     cluster_connections = []  # what the lora_adapter asset's before_training does: connect to / create the cluster
     with pytest.raises(refusal, match=message):
         run_tracked_training(config, _inputs(demo_model, demo_dataset, seq_len), tracking,
                              ray_storage=str(tmp_path / "ray"), models_dir=tmp_path / "models",
                              before_training=lambda: cluster_connections.append("connected"))
-    assert cluster_connections == []
-    assert not ray.is_initialized()
+    assert cluster_connections == []  # (whether Ray runs depends on earlier tests in this process: not asked)
     assert tracking.client.search_runs([tracking.experiment_id]) == []
     assert not (tmp_path / "ray").exists() and not (tmp_path / "models").exists()
 
