@@ -10,17 +10,16 @@ import dagster as dg
 import pydantic
 import pytest
 
-from assets.evaluation_assets import EvaluationConfig, _beats_base_model, _not_worse_than_champion, promoted_model
+from assets.evaluation_assets import EvaluationConfig
 from pipelines.definitions import defs
 from training_core.base_model import load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, write_dataset
 from training_core.data.demo_task import generate_records
 from training_core.errors import EmptyPartitionError
-from training_core.evaluate.compare import CHAMPION_UNRECORDED, EvaluationReport, evaluate_against_base
+from training_core.evaluate.compare import evaluate_against_base
 from training_core.evaluate.model_folder import TrainedModelError, check_trained_model_dir
 from training_core.errors import ConfigError
 from training_core.evaluate.on_ray import task_resources
-from training_core.evaluate.results import EvalMetrics
 from training_core.evaluate.settings import EvalSettings
 
 from .tokenizer_support import is_eval_prompt
@@ -146,105 +145,6 @@ def test_batch_size_changes_only_how_examples_are_grouped(adapter_dir, demo_mode
     assert one.loss == pytest.approx(many.loss, rel=1e-5)
 
 
-def _report(trained_loss: float, champion_loss: float | None = None) -> EvaluationReport:
-    def metrics(loss):
-        return EvalMetrics(loss=loss, perplexity=2.0, exact_match=0.0, examples=4)
-
-    return EvaluationReport(metrics(2.0), metrics(trained_loss), "model", "run",
-                            metrics(champion_loss) if champion_loss is not None else None)
-
-
-def test_the_gates_use_the_configured_limits():
-    report = _report(trained_loss=1.9, champion_loss=1.7)  # ratio 0.95; 11.8 % above the champion
-    assert _beats_base_model(report, max_loss_ratio=1.0).passed is True
-    assert _beats_base_model(report, max_loss_ratio=0.9).passed is False
-    assert _not_worse_than_champion(report, "champ", champion_tolerance=0.05).passed is False
-    assert _not_worse_than_champion(report, "champ", champion_tolerance=0.2).passed is True
-
-
-def test_a_champion_near_zero_loss_is_matched_within_a_hundredth_of_a_nat():
-    # The demo's days: both models memorize the task; 5 % of 0.0055 would fail a model at 0.0062.
-    assert _not_worse_than_champion(_report(trained_loss=0.0062, champion_loss=0.0055), "champ",
-                                    champion_tolerance=0.05).passed is True
-    assert _not_worse_than_champion(_report(trained_loss=0.0160, champion_loss=0.0055), "champ",
-                                    champion_tolerance=0.05).passed is False
-    assert _not_worse_than_champion(_report(trained_loss=0.0056, champion_loss=0.0055), "champ",
-                                    champion_tolerance=0.0).passed is False  # 0: strict
-
-
-def test_a_champion_whose_loss_is_not_finite_is_not_compared():
-    check = _not_worse_than_champion(_report(trained_loss=1.9, champion_loss=float("nan")), "champ",
-                                     champion_tolerance=0.05)
-    assert check.passed is True and check.metadata["compared"].value is False
-    assert check.description.startswith("not compared: the champion scores a held-out loss of nan on these records")
-
-
-class _UnreachableTracker:
-    """Promotion must refuse before it looks at the registry."""
-
-    def client(self):
-        raise AssertionError("the registry was consulted for a promotion its gates refuse")
-
-
-@pytest.mark.parametrize("failed_gates, champion_run_id, named", [
-    (("not_worse_than_champion",), "champ", "failed not_worse_than_champion"),
-    (None, "champ", "carries no gate results"),
-    ((), CHAMPION_UNRECORDED, "does not record which champion it was compared with"),
-])
-def test_a_promotion_launched_on_its_own_refuses_an_evaluation_whose_gates_failed(failed_gates, champion_run_id,
-                                                                                 named):
-    # In the evaluating run, blocking checks skip promoted_model; launched later by itself it must
-    # read the verdict off the evaluation instead of moving the champion.
-    from dataclasses import replace
-
-    report = replace(_report(trained_loss=1.9, champion_loss=1.7), failed_gates=failed_gates,
-                     champion_run_id=champion_run_id)
-    context = dg.build_asset_context(partition_key="2026-11-01")
-    with pytest.raises(dg.Failure, match=named) as refused:
-        promoted_model(context, mlflow_tracker=_UnreachableTracker(), evaluation=report)
-    assert "2026-11-01" in str(refused.value) and "champion stays where it is" in str(refused.value)
-
-
-def test_promotion_refuses_when_the_champion_moved_since_the_evaluation_compared_with_it(tmp_path, adapter_dir):
-    # Two days of a backfill evaluated in parallel against the same champion: the first to promote
-    # moves the alias; the second was never compared with that model, so it must not replace it.
-    from dataclasses import replace
-
-    from assets.evaluation_assets import CHAMPION_ALIAS, REGISTERED_MODEL
-    from resources import MlflowTracker, TesseraStorage
-    from training_core.tracking import ModelRegistry
-
-    tracking = (mlflow_tracker := MlflowTracker(storage=TesseraStorage(home=str(tmp_path / "home")))).client()
-    registry = ModelRegistry(tracking, REGISTERED_MODEL, CHAMPION_ALIAS)
-    runs = {}
-    for name in ("day-1", "day-2", "day-3"):
-        runs[name] = tracking.start_run(name, tags={})
-        tracking.client.log_artifacts(runs[name], str(adapter_dir), "model")
-
-    def promote(run: str, compared_with: str | None):
-        report = replace(_report(trained_loss=1.0), mlflow_run_id=runs[run], failed_gates=(),
-                         champion_run_id=runs.get(compared_with))
-        return promoted_model(dg.build_asset_context(partition_key="2026-11-02"), mlflow_tracker=mlflow_tracker,
-                              evaluation=report).value
-
-    assert promote("day-1", compared_with=None).run_id == runs["day-1"]  # no champion yet, none then
-    with pytest.raises(dg.Failure) as refused:  # day-2 was evaluated before day-1 became champion
-        promote("day-2", compared_with=None)
-    assert str(refused.value) == (
-        f"not promoting MLflow run {runs['day-2']}: the evaluation of partition 2026-11-02 compared it with no champion "
-        f"(there was none yet), but champion is now {REGISTERED_MODEL} version 1 (MLflow run {runs['day-1']}); "
-        "rematerialize evaluation for this partition, then promoted_model, to compare with the current champion; "
-        "champion stays where it is")
-    assert registry.champion().run_id == runs["day-1"]
-
-    assert promote("day-3", compared_with="day-1").run_id == runs["day-3"]  # compared with the champion: moves
-    with pytest.raises(dg.Failure, match=f"compared it with champion run {runs['day-1']}, but champion is now "):
-        promote("day-2", compared_with="day-1")
-    assert registry.champion().run_id == runs["day-3"]
-    assert promote("day-3", compared_with="day-1").run_id == runs["day-3"]  # promoting the champion again: no-op
-    assert str(registry.champion().version) == "2"
-
-
 # --- comparing with the champion ------------------------------------------------------------------
 
 
@@ -287,14 +187,6 @@ def test_a_champion_whose_tokenizer_puts_other_special_tokens_around_examples_is
     assert champion_not_comparable(demo_model.name_or_path, str(other)) == (
         f"the champion was trained on {demo_model.name_or_path}, whose tokenizer puts other special tokens around "
         f"each example than {other}'s ({named}): per-token losses do not compare")
-
-
-def test_a_champion_that_cannot_be_compared_passes_the_gate_saying_why():
-    check = _not_worse_than_champion(_report(trained_loss=9.0), "champ", champion_tolerance=0.05,
-                                     not_comparable="the champion was trained on X, whose tokenizer differs")
-    assert check.passed is True
-    assert check.description == "not compared: the champion was trained on X, whose tokenizer differs"
-    assert check.metadata["compared"].value is False
 
 
 def test_a_champion_whose_mlflow_run_was_garbage_collected_is_not_compared_and_evaluation_goes_on(
@@ -501,34 +393,3 @@ def test_damage_the_check_cannot_see_is_named_when_the_adapter_loads(adapter_dir
     with pytest.raises(TrainedModelError, match=rf"trained model folder {re.escape(str(folder))}: could not be loaded "
                                                 r"as a PEFT adapter over .*\(\w+Error: "):
         load_model_for_eval(demo_model.name_or_path, str(folder))
-
-
-@pytest.mark.parametrize(("champion_loss", "alias_moved"), [(float("nan"), True), (1.5, False)])
-def test_an_earlier_day_replaces_only_a_champion_evaluation_could_not_score(tmp_path, champion_loss, alias_moved):
-    # The gate said a model that passes the other gate replaces an unscorable champion: promotion does, whatever its day.
-    from assets.evaluation_assets import CHAMPION_ALIAS, REGISTERED_MODEL, PromotionConfig
-    from resources import MlflowTracker, TesseraStorage
-    from training_core.tracking import ModelRegistry
-
-    tracker = MlflowTracker(storage=TesseraStorage(home=str(tmp_path)))
-    tracking = tracker.client()
-
-    def trained_run(day: str) -> str:
-        run_id = tracking.start_run(f"train-{day}", tags={})
-        tracking.log_batch(run_id, params={"partition_keys": day, "base_model": "/models/base"})
-        model = tmp_path / run_id / "model"
-        model.mkdir(parents=True)
-        (model / "adapter_config.json").write_text("{}")
-        tracking.client.log_artifacts(run_id, str(model), "model")
-        tracking.end_run(run_id)
-        return run_id
-
-    champion, candidate = trained_run("2026-11-05"), trained_run("2026-11-03")
-    ModelRegistry(tracking, REGISTERED_MODEL, CHAMPION_ALIAS).promote(champion)
-    scores = EvaluationReport(EvalMetrics(2.0, 7.4, 0.0, 4), EvalMetrics(1.0, 2.7, 0.0, 4), "/trained", candidate,
-                              champion=EvalMetrics(champion_loss, 4.5, 0.0, 4), failed_gates=(),
-                              champion_run_id=champion)
-    promotion = promoted_model(dg.build_asset_context(partition_key="2026-11-03"), config=PromotionConfig(),
-                               mlflow_tracker=tracker, evaluation=scores)
-    assert promotion.metadata["alias_moved"].value is alias_moved
-    assert promotion.value.run_id == (candidate if alias_moved else champion)
