@@ -340,25 +340,13 @@ def _why_champion_stays(context: dg.AssetExecutionContext, config: PromotionConf
                         champion, run_id: str) -> str | None:
     """Why a candidate that passed its gates does not replace `champion` (another run), or None."""
     held_by = f"{REGISTERED_MODEL} version {champion.version} (MLflow run {champion.run_id})"
-    champion_day = _day_of(registry, champion)
+    champion_day = registry.trained_for_day(champion)
     # Daily partition keys are ISO dates: string order is date order.
     if not config.allow_older_day and champion_day is not None and context.partition_key < champion_day:
         return (f"partition {context.partition_key} (MLflow run {run_id}) is older than {champion_day}, the day "
                 f"{CHAMPION_ALIAS} {held_by} trained for; an earlier day's model does not replace a later day's "
                 "(promoted_model config allow_older_day: true rolls back to it)")
     return None
-
-
-def _day_of(registry: ModelRegistry, champion) -> str | None:
-    """The partition the champion trained for: the last key of its run's recorded training window (lineage
-    param `partition_keys`). None when its run is gone or recorded none: no day to keep it for."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        partition_keys = registry.client.get_run(champion.run_id).data.params.get("partition_keys", "")
-    except MlflowException:
-        return None
-    return partition_keys.split(",")[-1] or None
 
 
 def promotion_data_version(promoted: PromotedModel) -> dg.DataVersion:

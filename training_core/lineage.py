@@ -141,6 +141,12 @@ def installed_version(package: str) -> str:
         return "not installed"
 
 
+def parse_partition_keys(value: str) -> list[str]:
+    """The `partition_keys` param as written by :func:`build_lineage_record`: the days of the training
+    window, oldest first, comma-separated ("" when the run recorded none)."""
+    return [key for key in value.split(",") if key]
+
+
 def parse_dataset_paths(value: str) -> list[str]:
     """The `dataset_paths` param as written by :func:`build_lineage_record`: a JSON list, or a
     comma-separated string for runs recorded before paths could hold a comma (published datasets

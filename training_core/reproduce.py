@@ -16,7 +16,7 @@ from training_core.data.window import window_digest
 from training_core.base_model import HubRevision, base_model_changes, hub_branch_commit, pinned_snapshot
 from training_core.errors import ConfigError, LineageError
 from training_core.evaluate.settings import EvalSettings
-from training_core.lineage import code_version, installed_version, parse_dataset_paths
+from training_core.lineage import code_version, installed_version, parse_dataset_paths, parse_partition_keys
 from training_core.redaction import redact_uri
 from training_core.runs import TrainingInputs
 from training_core.storage import changed_files, directory_digest
@@ -93,7 +93,7 @@ def load_recorded_run(tracking: MlflowTracking, run_id: str, cache_directory: st
         seq_len=_seq_len(run_id, datasets[0]),
         cache_directory=cache_directory,
         cache_version=params["cache_version"],
-        partition_keys=[k for k in params.get("partition_keys", "").split(",") if k],
+        partition_keys=parse_partition_keys(params.get("partition_keys", "")),
     )
     try:
         eval_settings = EvalSettings.from_tags(run.data.tags)

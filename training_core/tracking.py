@@ -212,6 +212,19 @@ class ModelRegistry:
         except MlflowException:
             return None
 
+    def trained_for_day(self, version) -> str | None:
+        """The partition a registered version trained for: the last day of its run's training window
+        (lineage param `partition_keys`). None when its run is gone or recorded none."""
+        from mlflow.exceptions import MlflowException
+
+        from training_core.lineage import parse_partition_keys
+
+        try:
+            days = parse_partition_keys(self.client.get_run(version.run_id).data.params.get("partition_keys", ""))
+        except MlflowException:
+            return None
+        return days[-1] if days else None
+
     def base_model_of(self, version) -> str:
         """The base model a registered version was trained on (its run's lineage). A hub model is
         recorded as its snapshot folder in the Hugging Face cache of the machine that trained it; when
