@@ -8,7 +8,7 @@
 
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -301,13 +301,12 @@ def check_cluster_capacity(training_config, ray_cluster: Any, log: Any, poll_s: 
     alive = alive_node_resources()
     if (shortfall := training_config.capacity_shortfall(alive)) is None:
         return
-    ceiling = getattr(ray_cluster, "capacity_ceiling", None)
-    if ceiling is not None and _holds_more_than(alive, ceiling.nodes):
-        # the manifest in the image is older than the RayCluster applied from an operator's checkout
-        log.warning(f"{shortfall}; the cluster already holds more than {ceiling.where} at its largest (a RayCluster "
-                    "applied since with more replicas?): waiting for its autoscaler")
-        return
-    if ceiling is not None:
+    if (ceiling := getattr(ray_cluster, "capacity_ceiling", None)) is not None:
+        if _holds_more_than(alive, ceiling.nodes):
+            # the manifest in the image is older than the RayCluster applied from an operator's checkout
+            log.warning(f"{shortfall}; the cluster already holds more than {ceiling.where} at its largest (a "
+                        "RayCluster applied since with more replicas?): waiting for its autoscaler")
+            return
         if (never := training_config.capacity_shortfall(ceiling.nodes)) is not None:
             raise ConfigError(f"num_workers={training_config.num_workers} with use_gpu={training_config.use_gpu} "
                               f"can never run on {ceiling.where}, even at its largest: {never}")
@@ -324,9 +323,9 @@ def check_cluster_capacity(training_config, ray_cluster: Any, log: Any, poll_s: 
     raise ConfigError(shortfall)
 
 
-def _holds_more_than(alive: list[dict[str, float]], largest: list[dict[str, float]]) -> bool:
+def _holds_more_than(alive: Sequence[Mapping[str, float]], largest: Sequence[Mapping[str, float]]) -> bool:
     """Whether the live nodes exceed a cluster size in nodes, CPUs or GPUs: that size is not the cluster's largest."""
-    def totals(nodes: list[dict[str, float]]) -> tuple[float, float, float]:
+    def totals(nodes: Sequence[Mapping[str, float]]) -> tuple[float, float, float]:
         return len(nodes), sum(n.get("CPU", 0.0) for n in nodes), sum(n.get("GPU", 0.0) for n in nodes)
 
     return any(live > most for live, most in zip(totals(alive), totals(largest)))
