@@ -9,7 +9,7 @@ import dagster as dg
 from assets.data_assets import refuse_days_that_failed_checks
 from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY
-from resources import RowGroupCache
+from resources import RowGroupCache, TesseraStorage
 from resources.paths import HOME_MARKER
 from training_core.data import warm_cache
 from training_core.data.batch_columns import TRAINING_COLUMNS, TRAINING_TRANSFORM, TRAINING_TRANSFORM_VERSION
@@ -26,11 +26,14 @@ class WarmCache:
 
 
 @dg.asset(partitions_def=DAILY, group_name="data", kinds={"diskcache"})
-def row_group_cache(context: dg.AssetExecutionContext, cache: RowGroupCache, training_dataset: PublishedDataset):
+def row_group_cache(context: dg.AssetExecutionContext, storage: TesseraStorage, cache: RowGroupCache,
+                    training_dataset: PublishedDataset):
     """Every row group decoded once into the FanoutCache, so training never waits on Parquet decode.
     The cache version is (dataset digest, columns, transform version)."""
     refuse_invalid_run_config(context)
-    refuse_dataset_of_another_state_folder(training_dataset, cache.storage.root, context.partition_key)
+    # The run's state folder, not the cache's: a cache may live in a pod-local home of its own
+    # (docs/scaling_out.md) while datasets are published on the shared one.
+    refuse_dataset_of_another_state_folder(training_dataset, storage.root, context.partition_key)
     if training_dataset.failed_checks:
         refuse_days_that_failed_checks({context.partition_key: training_dataset.failed_checks}, "row_group_cache")
     cache_config = cache.config()

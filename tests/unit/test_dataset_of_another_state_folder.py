@@ -27,8 +27,8 @@ def test_row_group_cache_refuses_a_training_dataset_published_in_another_state_f
                             source_label="test")
 
     def warm(storage: TesseraStorage) -> dg.Output:
-        return row_group_cache(dg.build_asset_context(partition_key=DAY), cache=RowGroupCache(storage=storage),
-                               training_dataset=dataset)
+        return row_group_cache(dg.build_asset_context(partition_key=DAY), storage=storage,
+                               cache=RowGroupCache(storage=storage), training_dataset=dataset)
 
     expected = (f"row_group_cache: the stored training_dataset for {DAY} is {dataset.path}, in state folder "
                 f"{other_home.root}, not this run's {this_home.root} (storage.home / TESSERA_HOME): a run with "
@@ -40,3 +40,21 @@ def test_row_group_cache_refuses_a_training_dataset_published_in_another_state_f
 
     warmed = warm(other_home)  # in its own state folder: warmed as before
     assert warmed.value.entries == dataset.row_groups
+
+
+def test_a_cache_in_a_pod_local_home_of_its_own_warms_the_shared_state_folders_dataset(tmp_path, demo_model):
+    """docs/scaling_out.md: on Kubernetes the cache may live in a pod-local home (SQLite off NFS) while
+    datasets are published on the shared one. The state folder that matters is the run's, not the cache's."""
+    from assets.cache_assets import row_group_cache
+    from resources import RowGroupCache, TesseraStorage
+
+    shared, pod_local = TesseraStorage(home=str(tmp_path / "shared")), TesseraStorage(home=str(tmp_path / "pod"))
+    dataset = write_dataset(generate_records(DAY, 300), load_tokenizer(demo_model.name_or_path),
+                            shared.folder("datasets") / "training" / DAY, DatasetSpec(row_group_rows=64),
+                            source_label="test")
+
+    warmed = row_group_cache(dg.build_asset_context(partition_key=DAY), storage=shared,
+                             cache=RowGroupCache(storage=pod_local), training_dataset=dataset).value
+
+    assert warmed.entries == dataset.row_groups
+    assert warmed.directory.startswith(str(pod_local.root))

@@ -400,8 +400,8 @@ def test_a_cache_quota_too_small_for_the_dataset_is_reported_by_the_warming_step
 
     def warm(cache: RowGroupCache) -> tuple[dict, str]:
         capfd.readouterr()
-        output = row_group_cache(dg.build_asset_context(partition_key="2026-11-01"), cache=cache,
-                                 training_dataset=demo_dataset)
+        output = row_group_cache(dg.build_asset_context(partition_key="2026-11-01"), storage=cache.storage,
+                                 cache=cache, training_dataset=demo_dataset)
         return {name: value.value for name, value in output.metadata.items()}, capfd.readouterr().err  # Dagster's log
 
     roomy, log = warm(RowGroupCache(storage=TesseraStorage(home=str(tmp_path / "roomy"))))

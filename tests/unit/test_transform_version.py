@@ -59,7 +59,8 @@ def test_a_bumped_transform_version_is_warmed_read_checked_and_rebuilt_alike(tmp
 
     _bump_training_transform(monkeypatch, _next_labels, "next-labels-v2")
     cache = RowGroupCache(storage=TesseraStorage(home=str(tmp_path / "home")))
-    warmed = row_group_cache(dg.build_asset_context(partition_key=DAY), cache=cache, training_dataset=published).value
+    warmed = row_group_cache(dg.build_asset_context(partition_key=DAY), storage=cache.storage, cache=cache,
+                             training_dataset=published).value
 
     assert warmed.cache_version == cache_version(published.digest, TRAINING_COLUMNS, "next-labels-v2")
     assert DatasetWindow.from_partitions({DAY: published}).stale_caches({DAY: warmed.cache_version}) == []
