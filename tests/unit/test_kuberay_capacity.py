@@ -145,3 +145,22 @@ def test_a_cluster_already_larger_than_the_images_manifest_is_waited_for(monkeyp
     with caplog.at_level(logging.WARNING):
         check_cluster_capacity(_gpu_run(MAX_GPU_PODS + 4), kuberay_cluster_from_manifest(), logging.getLogger("test"))
     assert f"the cluster already holds more than {CEILING} at its largest" in caplog.text
+
+
+def test_a_cluster_already_at_its_largest_refuses_a_larger_worker_group(monkeypatch):
+    # Every GPU pod up (at maxReplicas): more workers than that can never be placed, so no waiting.
+    nodes = [{"CPU": 0.0}] + [{"CPU": 8.0, "GPU": 1.0}] * MAX_GPU_PODS
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": node} for node in nodes])
+    with pytest.raises(ConfigError, match="can never run on"):
+        check_cluster_capacity(_gpu_run(MAX_GPU_PODS + 1), kuberay_cluster_from_manifest(), logging.getLogger("test"))
+
+
+def test_without_the_autoscaler_the_ceiling_is_replicas_not_max_replicas(tmp_path, cluster_at_rest):
+    def no_autoscaler(spec):
+        spec["enableInTreeAutoscaling"] = False
+        spec["workerGroupSpecs"][0]["replicas"] = 1
+
+    cluster = kuberay_cluster_from_manifest(_manifest_with(tmp_path, no_autoscaler))
+    assert sum(node.get("GPU", 0.0) for node in cluster.capacity_ceiling.nodes) == 1
+    with pytest.raises(ConfigError, match=rf"\(worker group {GPU_GROUP['groupName']}: replicas 1 × 8 CPU"):
+        check_cluster_capacity(_gpu_run(2), cluster, logging.getLogger("test"))  # nothing would ever add a pod

@@ -57,6 +57,8 @@ def test_a_champion_near_zero_loss_is_matched_within_a_hundredth_of_a_nat():
                                     champion_tolerance=0.05).passed is False
     assert _not_worse_than_champion(_report(trained_loss=0.0056, champion_loss=0.0055), "champ",
                                     champion_tolerance=0.0).passed is False  # 0: strict
+    assert _not_worse_than_champion(_report(trained_loss=0.0055, champion_loss=0.0055), "champ",
+                                    champion_tolerance=0.0).passed is True  # 0: no higher, an equal loss passes
 
 
 def test_a_champion_whose_loss_is_not_finite_is_not_compared():
@@ -147,4 +149,24 @@ def test_an_earlier_day_replaces_only_a_champion_evaluation_could_not_score(tmp_
     promotion = promoted_model(dg.build_asset_context(partition_key="2026-11-03"), config=PromotionConfig(),
                                mlflow_tracker=tracker, evaluation=scores)
     assert promotion.metadata["alias_moved"].value is alias_moved
+    assert promotion.value.run_id == (candidate if alias_moved else champion)
+
+
+@pytest.mark.parametrize(("champion_days", "candidate_day", "allow_older_day", "alias_moved"), [
+    ("2026-11-05", "2026-11-05", False, True),              # another run of the champion's own day replaces it
+    ("2026-11-04,2026-11-05", "2026-11-04", False, False),  # a champion's day is its window's last day
+    ("2026-11-05", "2026-11-03", True, True),               # the operator's roll-back
+])
+def test_the_champions_day_decides_which_days_may_replace_it(tmp_path, champion_days, candidate_day,
+                                                             allow_older_day, alias_moved):
+    tracker = MlflowTracker(storage=TesseraStorage(home=str(tmp_path / "home")))
+    tracking = tracker.client()
+    champion = _trained_run(tracking, tmp_path, "champion", {"partition_keys": champion_days})
+    candidate = _trained_run(tracking, tmp_path, "candidate", {"partition_keys": candidate_day})
+    ModelRegistry(tracking, REGISTERED_MODEL, CHAMPION_ALIAS).promote(champion)
+    scores = EvaluationReport(EvalMetrics(2.0, 7.4, 0.0, 4), EvalMetrics(1.0, 2.7, 0.0, 4), "/trained", candidate,
+                              champion=EvalMetrics(1.5, 4.5, 0.0, 4), failed_gates=(), champion_run_id=champion)
+    promotion = promoted_model(dg.build_asset_context(partition_key=candidate_day),
+                               config=PromotionConfig(allow_older_day=allow_older_day), mlflow_tracker=tracker,
+                               evaluation=scores)
     assert promotion.value.run_id == (candidate if alias_moved else champion)

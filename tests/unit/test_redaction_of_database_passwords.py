@@ -19,6 +19,7 @@ from training_core.redaction import redact_uri
     ("mysql://mlflow:p/w@x@db/mlflow", "mysql://mlflow:***@db/mlflow"),  # "/" and a raw "@" in one password
     ("mssql+pyodbc://sa:/?#@db/mlflow", "mssql+pyodbc://sa:***@db/mlflow"),
     ("postgresql://mlflow:2024/x@db/mlflow", "postgresql://mlflow:***@db/mlflow"),  # digits first: still no port
+    ("postgresql+psycopg2://mlflow:2024/x@db/mlflow", "postgresql+psycopg2://mlflow:***@db/mlflow"),  # the chart's
 ])
 def test_a_database_password_holding_uri_delimiters_is_hidden_whole(uri, shown):
     assert set(make_url(uri).password) & set("/?#@")  # what SQLAlchemy sends as the password holds one
@@ -30,6 +31,9 @@ def test_a_database_password_holding_uri_delimiters_is_hidden_whole(uri, shown):
     ("https://alice:a/b@exports.example.com/day.jsonl", "https://alice:***@exports.example.com/day.jsonl"),
     ("https://alice:q?x#y@h/day.jsonl?sig=abc", "https://alice:***@h/day.jsonl?sig=***"),
     ("http://alice:a/b@c@h:8080/day.jsonl", "http://alice:***@h:8080/day.jsonl"),
+    # userinfo without a delimiter, then an "@" in the path: the host and path are shown as they were
+    ("https://alice:pw@h.example.com/users/bob@example.com/day.jsonl",
+     "https://alice:***@h.example.com/users/bob@example.com/day.jsonl"),
 ])
 def test_a_web_password_holding_uri_delimiters_is_hidden_whole(uri, shown):
     assert redact_uri(uri) == shown

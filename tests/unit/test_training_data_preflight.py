@@ -130,6 +130,16 @@ def test_epochs_too_short_for_one_optimizer_step_are_refused_before_training(max
         check_epochs_hold_an_optimizer_step(config, rows=10)
 
 
+def test_the_driver_checks_refuse_epochs_too_short_for_one_optimizer_step(demo_model, demo_dataset):
+    from training_core.errors import ConfigError
+    from training_core.train.launcher import check_before_launch
+
+    config = TrainingConfig(max_epochs=1, micro_batch_size=8, gradient_accumulation_steps=100_000)
+    with pytest.raises(ConfigError, match="max_epochs=1 over"):
+        check_before_launch(config, model_path=demo_model.name_or_path, train_dirs=[demo_dataset.train_dir],
+                            seq_len=demo_dataset.seq_len)
+
+
 @pytest.mark.parametrize(("values", "warning"), [
     ({"warmup_steps": 10, "max_steps": 5}, "warmup_steps=10 > max_steps=5: the learning rate never reaches"),
     ({"checkpoint_every_steps": 50, "max_steps": 20}, "checkpoint_every_steps=50 >= max_steps=20: no checkpoint before"),
