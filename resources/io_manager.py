@@ -57,11 +57,18 @@ class StaleValueError(RuntimeError):
 
 def _current(context: dg.InputContext, value, which: str, path):
     """A dataclass unpickled from an older version lacks the fields added since; without this
-    check the step fails later with an AttributeError that names neither the asset nor the fix."""
+    check the step fails later with an AttributeError that names neither the asset nor the fix.
+    A field added with a default is what the class says an older value means: it loads with it
+    (a factory's default is set on the value, a plain default is read from the class)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__dict__"):
-        missing = [field.name for field in dataclasses.fields(value) if field.name not in vars(value)]
+        absent = [field for field in dataclasses.fields(value) if field.name not in vars(value)]
+        missing = [field.name for field in absent
+                   if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING]
         if missing:
             raise StaleValueError(_stale(context, which, path, f"{type(value).__name__} lacks {', '.join(missing)}"))
+        for field in absent:
+            if field.default_factory is not dataclasses.MISSING:
+                object.__setattr__(value, field.name, field.default_factory())  # frozen dataclasses too
     return value
 
 

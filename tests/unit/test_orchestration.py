@@ -378,6 +378,39 @@ def test_a_value_stored_by_an_older_version_is_named_with_what_to_rematerialize(
             dg.materialize([stored, reader], selection=[reader], instance=instance, resources=resources)
 
 
+@dataclasses.dataclass(frozen=True)
+class _StoredShapeWithDefaults:
+    path: str
+    digest: str = ""  # added later: "" means "not recorded" for values stored before it
+    tags: tuple = dataclasses.field(default_factory=tuple)
+
+
+def test_a_value_stored_before_fields_with_defaults_were_added_loads_with_those_defaults(tmp_path):
+    """TrainedModel.base_model_digest: a field added with a default says what older values mean;
+    refusing them forced a retrain of every day stored before an upgrade."""
+    import pickle
+
+    from resources.io_manager import AtomicFilesystemIOManager
+
+    @dg.asset
+    def stored() -> _StoredShapeWithDefaults:
+        return _StoredShapeWithDefaults("/data/v1", "d1", ("x",))
+
+    @dg.asset
+    def reader(stored: _StoredShapeWithDefaults) -> tuple:
+        return stored.path, stored.digest, stored.tags
+
+    resources = {"io_manager": AtomicFilesystemIOManager(base_dir=str(tmp_path))}
+    with dg.instance_for_test() as instance:
+        assert dg.materialize([stored], instance=instance, resources=resources).success
+        older = _StoredShapeWithDefaults("/data/v0")
+        object.__delattr__(older, "digest")  # as pickled before the fields existed
+        object.__delattr__(older, "tags")
+        (tmp_path / "stored").write_bytes(pickle.dumps(older))
+        result = dg.materialize([stored, reader], selection=[reader], instance=instance, resources=resources)
+        assert result.output_for_node("reader") == ("/data/v0", "", ())
+
+
 def test_a_failed_demo_ends_with_the_failing_step_and_its_own_error():
     from pipelines.cli import step_failures
 
