@@ -110,14 +110,20 @@ def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None
     report = EvaluationReport(base, trained, tracked.result.model_dir, tracked.mlflow_run_id)
     tracking.log_batch(tracked.mlflow_run_id, metrics=report.as_metrics(), tags=eval_settings.as_tags())
     rows = compare_runs(tracking, run_id, tracked.mlflow_run_id)
-    table = Table(title=f"reproduce {run_id} → {tracked.mlflow_run_id}")
+    console.print(comparison_table(run_id, tracked.mlflow_run_id, rows))
+    return 0 if all(equal is not False for *_, equal in rows) else 1
+
+
+def comparison_table(run_id: str, reproduced_id: str, rows) -> Table:
+    """Metrics side by side, 6 significant digits where they match; where they differ, every digit
+    (a difference of 4e-10 otherwise showed the same number twice, marked NO)."""
+    table = Table(title=f"reproduce {run_id} → {reproduced_id}")
     for column in ("metric", "original", "reproduced", "match"):
         table.add_column(column)
     for name, a, b, equal in rows:
         match = "not recorded" if equal is None else "[green]yes[/]" if equal else "[red]NO[/]"
-        table.add_row(name, _fmt(a), _fmt(b), match)
-    console.print(table)
-    return 0 if all(equal is not False for *_, equal in rows) else 1
+        table.add_row(name, _fmt(a, every_digit=equal is False), _fmt(b, every_digit=equal is False), match)
+    return table
 
 
 def _with_deployment_ray_storage(storage: TesseraStorage) -> TesseraStorage:
@@ -176,5 +182,9 @@ def print_drift(console: Console, run_id: str, drift: list[tuple[str, str, str]]
         console.print(f"  {key}: {recorded} → {now}", markup=False, highlight=False)
 
 
-def _fmt(value) -> str:
-    return "—" if value is None else f"{value:.6g}"
+def _fmt(value, every_digit: bool = False) -> str:
+    if value is None:
+        return "—"
+    if every_digit:
+        return str(int(value)) if float(value).is_integer() else repr(float(value))  # shortest exact form
+    return f"{value:.6g}"

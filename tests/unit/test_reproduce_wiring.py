@@ -122,3 +122,18 @@ def test_a_reproduction_that_stops_early_leaves_no_checkpoints_behind(home, monk
     with pytest.raises(type(interruption)):
         reproduce.reproduce_run(run_id, Console(file=StringIO()))
     assert sorted(p.name for p in (home / "ray").iterdir()) == [other_run.name]
+
+
+def test_metrics_that_differ_are_shown_with_every_digit():
+    # eval_loss changed by 3.6e-10 after the eval-loss rewrite: at 6 digits both read 0.00555272, marked NO.
+    rows = [("train_loss curve (steps)", 60.0, 60.0, True), ("train_loss", 1.2345678, 1.2345678, True),
+            ("eval_loss", 0.005552722056906427, 0.005552721697481434, False), ("steps", 60.0, 59.0, False),
+            ("eval_exact_match", None, 1.0, None)]
+    output = StringIO()
+    Console(file=output, width=200).print(reproduce.comparison_table("a", "b", rows))
+    lines = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:5]]
+             for line in output.getvalue().splitlines() if line.count("│") == 5}
+    assert lines["eval_loss"] == ["0.005552722056906427", "0.005552721697481434", "NO"]
+    assert lines["steps"] == ["60", "59", "NO"]
+    assert lines["train_loss"] == ["1.23457", "1.23457", "yes"]
+    assert lines["eval_exact_match"] == ["—", "1", "not recorded"]
