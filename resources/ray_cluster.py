@@ -6,6 +6,7 @@
 """
 
 
+import os
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -169,7 +170,24 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
 
         if not ray.is_initialized():
             wait_until_reachable(self.address, self.connect_timeout_s)
-        return super().connect(context)
+        try:
+            return super().connect(context)
+        except (ConnectionError, RuntimeError) as error:
+            if refused_for_its_token(error):
+                auth_mode = os.environ.get("RAY_AUTH_MODE")
+                if auth_mode == "token":
+                    sent = "it has RAY_AUTH_MODE=token, but its token is missing or not the cluster's"
+                else:
+                    mode = "not set" if auth_mode is None else repr(auth_mode)
+                    sent = f"RAY_AUTH_MODE is {mode} here: it sent no token"
+                raise RayClusterUnreachable(
+                    f"Ray cluster at {self.address} (TESSERA_RAY_ADDRESS or ray_cluster.address) uses token "
+                    f"authentication (Ray 2.60's `ray start --head` turns it on) and refused this process ({sent}). "
+                    "Set RAY_AUTH_MODE=token for this process, with the cluster's token in ~/.ray/auth_token "
+                    "(where `ray start` keeps it), in a file named by RAY_AUTH_TOKEN_PATH, or in RAY_AUTH_TOKEN; "
+                    "every node needs the same"
+                ) from error
+            raise
 
     @property
     def capacity_ceiling(self) -> ClusterCeiling | None:
@@ -244,6 +262,23 @@ GRPC_CONNECTION_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 HTTP1_REQUEST = b"GET / HTTP/1.0\r\n\r\n"
 HTTP2_SETTINGS_FRAME = 0x04
 PROTOCOL_CHECK_TIMEOUT_S = 2.0
+
+
+def refused_for_its_token(error: BaseException) -> bool:
+    """Whether ``ray.init`` failed because the cluster wants an authentication token this process did
+    not send. Ray's ``ConnectionError`` names only the address: the ``AuthenticationError`` behind it
+    is an exception in the chain, or only text in the message of the ``RuntimeError`` it chains
+    (Ray 2.60 keeps the last GCS attempt's traceback as a string)."""
+    from ray.exceptions import AuthenticationError
+
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, AuthenticationError) or "InvalidAuthToken" in str(cause):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def wait_until_reachable(address: str, timeout_s: float) -> None:

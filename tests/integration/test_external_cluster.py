@@ -99,6 +99,33 @@ def _wait(predicate, what: str, process: subprocess.Popen | None = None) -> None
     raise AssertionError(f"timed out waiting for {what}")
 
 
+# Connects without the cluster's token; exits with RayClusterUnreachable's message, or a traceback.
+CONNECT_WITHOUT_TOKEN = """
+import sys
+import dagster as dg
+from resources.ray_cluster import ExternalRayCluster, RayClusterUnreachable, connect_to_cluster
+try:
+    connect_to_cluster(ExternalRayCluster(address=sys.argv[1]), dg.build_init_resource_context())
+except RayClusterUnreachable as error:
+    sys.exit(str(error))
+"""
+
+
+def test_a_driver_without_the_clusters_token_is_told_to_set_it(two_node_cluster):
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # No auth settings (Ray then sends no token, even with ~/.ray/auth_token present), and nothing that
+    # could point ray.init at the test session's own Ray instead of the address given.
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", *LOCAL_RAY_SETTINGS_ENV):
+        env.pop(name, None)
+    result = subprocess.run([sys.executable, "-c", CONNECT_WITHOUT_TOKEN, two_node_cluster], env=env,
+                            cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0, result.stdout[-2000:]
+    last_line = result.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"Ray cluster at {two_node_cluster} "), result.stderr[-3000:]
+    assert "uses token authentication" in last_line
+    assert "Set RAY_AUTH_MODE=token" in last_line and "RAY_AUTH_TOKEN" in last_line
+
+
 def test_demo_on_external_cluster_survives_a_killed_dagster_run(two_node_cluster, tmp_path):
     home = tmp_path / "home"
     first = _start_demo(home, two_node_cluster, tmp_path / "first.log")

@@ -88,6 +88,25 @@ def env_switch(name: str, default: bool) -> bool:
         raise ConfigError(f"{name}={raw!r}: expected 1 or 0 (or true/false, yes/no, on/off)") from None
 
 
+# Ray reads its own RAY_* switches with ray._common.utils.env_bool: once set, only 1 or true (any case, no
+# spaces) is on, so a value env_switch reads as on (yes, on, " 1") or as the default (empty) would be off for Ray.
+_RAY_SWITCH_VALUES = {"1": True, "true": True, "0": False, "false": False}
+
+
+def ray_env_switch(name: str, default: bool) -> bool:
+    """An on/off setting that Ray reads from the environment, read as Ray reads it: unset gives
+    ``default``; 1/0 or true/false in any case; anything else, which Ray would quietly read as off
+    (yes, on, an empty value, spaces, a typo), is refused, naming the variable, before a trainer starts."""
+    if name not in os.environ:
+        return default
+    raw = os.environ[name]
+    try:
+        return _RAY_SWITCH_VALUES[raw.lower()]
+    except KeyError:
+        raise ConfigError(f"{name}={raw!r}: expected 1/true or 0/false (any case); Ray reads any other value, "
+                          "even yes or on, as off. Unset it for Ray's default") from None
+
+
 def _cluster_services_enabled() -> bool:
     return env_switch(CLUSTER_SERVICES_ENV, default=True)  # Ray's default
 
@@ -111,7 +130,7 @@ def use_quick_health_checks() -> None:
         interval = -1.0
     if not 0 < interval < float("inf"):
         raise ConfigError(f"{HEALTH_CHECK_INTERVAL_ENV}={raw!r}: expected a number of seconds > 0")
-    env_switch(PREEMPTION_WATCHER_ENV, default=True)  # refuses a typo before a trainer starts
+    ray_env_switch(PREEMPTION_WATCHER_ENV, default=True)  # refuses a typo before a trainer starts
 
 
 @functools.cache
