@@ -8,6 +8,7 @@ import dagster as dg
 from dagster_ray import RayResource
 from pydantic import Field
 
+from assets.backfills import refuse_day_added_beyond_backfill_range
 from assets.cache_assets import WarmCache
 from assets.data_assets import refuse_days_that_failed_checks
 from assets.launch_checks import refuse_invalid_run_config
@@ -54,22 +55,27 @@ class TrainingRunConfig(dg.Config):
     zero_stage: int = Field(2, description="DeepSpeed ZeRO stage 0-3")
     offload_optimizer: Literal["none", "cpu"] = Field("none", description="ZeRO-Offload of optimizer state")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16 needs a GPU")
-    attention: Literal["sdpa", "eager", "flash_attention_2"] = Field("sdpa")
+    attention: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="attention kernel: PyTorch SDPA, eager, or FlashAttention 2 (GPU and bf16, flash-attn "
+        "installed)",
+    )
     micro_batch_size: int = Field(8, description="rows per worker per forward pass (micro step)")
-    gradient_accumulation_steps: int = Field(1, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1, description="micro steps per optimizer step")
     learning_rate: float = Field(3e-3, description="peak learning rate")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("cosine", description="decay after warm-up")
     warmup_steps: int = Field(10, ge=0, description="optimizer steps of linear warm-up from 0")
-    weight_decay: float = Field(0.0, ge=0.0)
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
     gradient_clipping: float = Field(1.0, ge=0.0, description="max gradient norm; 0 turns clipping off")
     max_steps: int = Field(120, gt=0, description="optimizer steps; the loader cycles epochs as needed")
     max_epochs: int | None = Field(None, gt=0, description="stop earlier after this many epochs")
-    checkpoint_every_steps: int = Field(50, gt=0)
+    checkpoint_every_steps: int = Field(
+        50, gt=0, description="optimizer steps between checkpoints (a restarted worker group resumes from the last)",
+    )
     num_workers: int = Field(2, gt=0, description="Ray Train workers")
-    cpus_per_worker: int = Field(1, gt=0)
+    cpus_per_worker: int = Field(1, gt=0, description="CPUs Ray reserves for each worker")
     loader_workers: int = Field(1, gt=0, description="row-group decode threads per Ray worker (order is unchanged)")
     shuffle_buffer_row_groups: int = Field(4, gt=0, description="row groups held in memory for the final seeded shuffle")
-    use_gpu: bool = Field(False)
+    use_gpu: bool = Field(False, description="one GPU per Ray worker; bf16 and QLoRA need it")
     peak_flops_preset: Literal["auto", "cpu", "a100", "h100", "h200"] = Field(
         "auto", description="peak FLOP/s for the logged MFU: 'auto' reads the GPU's name; CPU runs log achieved "
         "FLOP/s only",
@@ -110,6 +116,7 @@ def lora_adapter(
     ending at this partition), reading batches through the warmed row-group cache.
     When dataset, base model, config and code are unchanged since a finished run, that run is reused."""
     refuse_invalid_run_config(context)
+    refuse_day_added_beyond_backfill_range(context)  # a whole-graph asset backfill adds the day after its range
     record_this_process(context)  # this run holds a training pool slot: a later process can tell if it died
     training_config = config.training_config()
     tracker = mlflow_tracker.client()

@@ -12,6 +12,7 @@ import uuid
 
 import dagster as dg
 from dagster._core.storage.fs_io_manager import PickledObjectFilesystemIOManager
+from dagster._core.storage.tags import BACKFILL_ID_TAG, PARTITION_NAME_TAG
 
 from training_core.storage import flush_file, sync_directory
 
@@ -83,7 +84,27 @@ def _never_materialized(context: dg.InputContext, which: str, path) -> str:
     upstream = context.asset_key.to_user_string() if context.has_asset_key else context.upstream_output.name
     what = f"{upstream} {which}".strip()
     return (f"input {context.name!r} needs {what}, which has not been materialized here (no stored value "
-            f"at {path}); materialize {what} first (a backfill over the window's days does it)")
+            f"at {path}); materialize {what} first (a backfill over the window's days does it)"
+            + _added_by_an_asset_backfill(context, which))
+
+
+def _added_by_an_asset_backfill(context: dg.InputContext, which: str) -> str:
+    """A hint for a backfill's run of a day whose window input is missing: an asset backfill also runs
+    lora_adapter (and what follows) for the day after its range (assets/backfills.py), whose own data
+    the backfill never built."""
+    if not which:  # an unpartitioned input: no window, no added day
+        return ""
+    try:
+        tags = context.step_context.run_tags
+    except dg.DagsterInvariantViolationError:  # a context built outside a run
+        return ""
+    backfill, day = tags.get(BACKFILL_ID_TAG), tags.get(PARTITION_NAME_TAG)
+    if not (backfill and day):
+        return ""
+    return (f". If {day} is not in backfill {backfill}'s range, Dagster added it: an asset backfill of the data "
+            "and lora_adapter together also runs lora_adapter, evaluation and promoted_model for the day after "
+            "its range, whose training window holds the range's last day; backfill the data assets first, then "
+            "lora_adapter, evaluation, promoted_model over the same days")
 
 
 class AtomicFilesystemIOManager(dg.FilesystemIOManager):

@@ -1,0 +1,64 @@
+"""Days Dagster adds to an asset backfill beyond the range it was launched for.
+
+An asset backfill over days (the asset graph's "Materialize" with a date range) targets those days
+on its root assets, then every partition downstream of them through the partition mappings. The
+training window (assets/partitions.py) maps a day's data to lora_adapter of that day *and* of the
+next days inside the window, so a backfill whose range ends on D also runs lora_adapter, evaluation
+and promoted_model of D+1, without building D+1's data: it would retrain D+1 with the backfill's
+settings, replace its evaluation and could move `champion`. A backfill whose roots are lora_adapter
+(or a job's backfill: one run per requested day) targets its requested days only.
+"""
+
+from __future__ import annotations
+
+from datetime import date, timedelta
+
+import dagster as dg
+from dagster._core.storage.tags import BACKFILL_ID_TAG  # the id of the backfill a run belongs to
+
+from assets.partitions import TRAINING_WINDOW_DAYS
+
+# What the training window reads of each day (its warmed cache; the dataset behind it goes with it).
+WINDOW_DATA_ASSET = dg.AssetKey("row_group_cache")
+
+
+def refuse_day_added_beyond_backfill_range(context: dg.AssetExecutionContext) -> None:
+    """Raise a dg.Failure when this partition is in its run's asset backfill only because Dagster
+    added it (see the module's docstring); call before any work."""
+    try:
+        run_tags, asset_graph = context.run.tags, context.job_def.asset_layer.asset_graph
+    except dg.DagsterError:  # invoked directly (`asset(build_asset_context(), ...)`): no run, no backfill
+        return
+    added = day_added_beyond_backfill_range(context.instance, run_tags, context.partition_key, asset_graph)
+    if added:
+        raise dg.Failure(added)
+
+
+def day_added_beyond_backfill_range(instance: dg.DagsterInstance, run_tags: dict[str, str], day: str,
+                                    asset_graph) -> str | None:
+    """Why `day` is in the run's asset backfill only through its training window, or None: the
+    backfill builds the window's data for an earlier day of `day`'s window but not for `day`."""
+    backfill_id = run_tags.get(BACKFILL_ID_TAG)
+    backfill = instance.get_backfill(backfill_id) if backfill_id else None
+    if backfill is None or not backfill.is_asset_backfill:
+        return None
+    target = backfill.get_asset_backfill_data(asset_graph).target_subset
+    built = target.partitions_subsets_by_asset_key.get(WINDOW_DATA_ASSET)
+    built_days = set(built.get_partition_keys()) if built is not None else set()
+    earlier = [earlier_day for earlier_day in _earlier_window_days(day) if earlier_day in built_days]
+    if day in built_days or not earlier:
+        return None
+    held = ", ".join(earlier)
+    return (
+        f"not training {day}: Dagster added day {day} to backfill {backfill_id} because its training window holds "
+        f"{held}, where the backfill builds {WINDOW_DATA_ASSET.to_user_string()}; the backfill does not build {day}'s "
+        f"own data. Trained here, {day} would be retrained with this backfill's settings, its evaluation replaced "
+        f"and `champion` possibly moved. Include {day} in the backfill's range to train it; to backfill a range "
+        "alone, backfill raw_examples, training_dataset, row_group_cache over it first, then lora_adapter, "
+        "evaluation, promoted_model over the same days (a backfill starting at lora_adapter adds no day)"
+    )
+
+
+def _earlier_window_days(day: str) -> list[str]:
+    """The days before `day` in its training window, latest first."""
+    return [(date.fromisoformat(day) - timedelta(days=back)).isoformat() for back in range(1, TRAINING_WINDOW_DAYS)]

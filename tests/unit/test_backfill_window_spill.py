@@ -1,0 +1,121 @@
+"""An asset backfill over days (the asset graph's "Materialize" with a date range) also targets
+lora_adapter, evaluation and promoted_model of the day after the range: that day's training window
+reads the range's last day. lora_adapter refuses such a day before any work, naming the backfill;
+the days asked for train as before. Real Dagster backfills in a test instance; no run of training."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import dagster as dg
+import pytest
+from dagster._core.execution.backfill import PartitionBackfill
+
+from assets.backfills import day_added_beyond_backfill_range
+from pipelines.definitions import defs
+from training_core.base_model import BaseModelRef
+
+RANGE = ["2026-11-02", "2026-11-03"]
+AFTER_RANGE = "2026-11-04"
+WHOLE_GRAPH = ["raw_examples", "training_dataset", "row_group_cache", "base_model", "lora_adapter", "evaluation",
+               "promoted_model"]
+
+
+def _asset_backfill(instance: dg.DagsterInstance, backfill_id: str, asset_names: list[str]) -> PartitionBackfill:
+    """As `launchPartitionBackfill` with assetSelection and partitionNames (the UI's Materialize) stores it."""
+    backfill = PartitionBackfill.from_asset_partitions(
+        backfill_id=backfill_id, asset_graph=defs.resolve_asset_graph(), partition_names=RANGE,
+        asset_selection=[dg.AssetKey(name) for name in asset_names], backfill_timestamp=time.time(), tags={},
+        dynamic_partitions_store=instance, all_partitions=False, title=None, description=None, run_config=None,
+    )
+    instance.add_backfill(backfill)
+    return backfill
+
+
+def _targeted_days(backfill: PartitionBackfill, asset_name: str) -> list[str]:
+    target = backfill.get_asset_backfill_data(defs.resolve_asset_graph()).target_subset
+    return sorted(target.get_partitions_subset(dg.AssetKey(asset_name)).get_partition_keys())
+
+
+def _added(instance: dg.DagsterInstance, backfill_id: str, day: str) -> str | None:
+    return day_added_beyond_backfill_range(instance, {"dagster/backfill": backfill_id}, day,
+                                           defs.resolve_asset_graph())
+
+
+def test_the_day_after_a_whole_graph_backfills_range_is_named_as_added_by_dagster():
+    with dg.instance_for_test() as instance:
+        backfill = _asset_backfill(instance, "wholegraph", WHOLE_GRAPH)
+        # Dagster's own target: the data of the range, training of the range and of the day after it.
+        assert _targeted_days(backfill, "row_group_cache") == RANGE
+        assert _targeted_days(backfill, "lora_adapter") == [*RANGE, AFTER_RANGE]
+        assert _targeted_days(backfill, "promoted_model") == [*RANGE, AFTER_RANGE]
+
+        added = _added(instance, "wholegraph", AFTER_RANGE)
+        assert added is not None and added.startswith(
+            f"not training {AFTER_RANGE}: Dagster added day {AFTER_RANGE} to backfill wholegraph because its "
+            f"training window holds {RANGE[-1]}, where the backfill builds row_group_cache")
+        assert f"Include {AFTER_RANGE} in the backfill's range" in added
+        assert [_added(instance, "wholegraph", day) for day in RANGE] == [None, None]
+
+
+def test_a_backfill_starting_at_lora_adapter_adds_no_day_and_trains_every_day_it_holds():
+    """The two-step backfill the refusal advises: the data over the range, then training over it."""
+    with dg.instance_for_test() as instance:
+        data = _asset_backfill(instance, "data", ["raw_examples", "training_dataset", "row_group_cache"])
+        training = _asset_backfill(instance, "training", ["lora_adapter", "evaluation", "promoted_model"])
+        assert _targeted_days(data, "row_group_cache") == RANGE
+        assert _targeted_days(training, "lora_adapter") == _targeted_days(training, "promoted_model") == RANGE
+        assert [_added(instance, "training", day) for day in RANGE] == [None, None]
+        # Not a backfill's run (a UI launch, the schedule): nothing to refuse.
+        assert day_added_beyond_backfill_range(instance, {}, AFTER_RANGE, defs.resolve_asset_graph()) is None
+
+
+class _NeverMaterializedInputs(dg.IOManager):
+    """Upstream values of a run the training step must refuse before it reads any of them."""
+
+    def load_input(self, context: dg.InputContext):
+        if context.name == "base_model":  # the one input Dagster type-checks
+            return BaseModelRef("never-read", "never-read", parameters=0, vocab_size=None, source="demo")
+        return None
+
+    def handle_output(self, context: dg.OutputContext, obj) -> None:
+        raise AssertionError("lora_adapter stored a value: it trained")
+
+
+def test_lora_adapter_refuses_the_added_day_before_any_work(tmp_path):
+    from pipelines.graph import ASSETS
+    from pipelines.resources_local import local_resources
+    from resources import MlflowTracker, RowGroupCache, TesseraStorage
+
+    storage = TesseraStorage(home=str(tmp_path))
+    resources = {**local_resources(), "storage": storage, "mlflow_tracker": MlflowTracker(storage=storage),
+                 "cache": RowGroupCache(storage=storage), "io_manager": _NeverMaterializedInputs()}
+    with dg.instance_for_test() as instance:
+        _asset_backfill(instance, "wholegraph", WHOLE_GRAPH)
+        with pytest.raises(dg.Failure, match=f"^not training {AFTER_RANGE}: Dagster added day {AFTER_RANGE} to "
+                                             "backfill wholegraph because"):
+            dg.materialize(ASSETS, selection=["lora_adapter"], partition_key=AFTER_RANGE, instance=instance, resources=resources,
+                           tags={"dagster/backfill": "wholegraph"})
+    assert not (tmp_path / "models").exists() and not (tmp_path / "ray").exists()
+
+
+def test_the_added_day_without_data_fails_loading_it_with_the_backfill_named(tmp_path):
+    """Dagster loads inputs before the asset runs: where the added day's data was never built, the
+    load fails first, and says why that day is in the backfill."""
+    from pipelines.graph import ASSETS
+    from pipelines.resources_local import local_resources
+    from resources.io_manager import AtomicFilesystemIOManager
+
+    resources = {**local_resources(), "io_manager": AtomicFilesystemIOManager(base_dir=str(tmp_path))}
+    (tmp_path / "base_model").write_bytes(pickle.dumps(
+        BaseModelRef("never-read", "never-read", parameters=0, vocab_size=None, source="demo")))
+    with dg.instance_for_test() as instance:
+        _asset_backfill(instance, "wholegraph", WHOLE_GRAPH)
+        with pytest.raises(FileNotFoundError) as failed:
+            dg.materialize(ASSETS, selection=["lora_adapter"], partition_key=AFTER_RANGE, instance=instance,
+                           resources=resources, tags={"dagster/backfill": "wholegraph"})
+    message = str(failed.value)
+    assert message.startswith("input 'row_group_cache' needs row_group_cache partition ")
+    assert (f"If {AFTER_RANGE} is not in backfill wholegraph's range, Dagster added it: an asset backfill "
+            "of the data and lora_adapter together also runs lora_adapter") in message
