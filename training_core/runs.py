@@ -216,8 +216,8 @@ def run_tracked_training(
             checked_before_launch=True,
         )
         tracking.log_training(run_id, result=result)
-    except BaseException:
-        tracking.end_run(run_id, status="FAILED")
+    except BaseException as error:
+        tracking.end_failed_run(run_id, error)
         raise
     tracking.end_run(run_id)
     return TrackedRun(mlflow_run_id=run_id, result=result, lineage=lineage)

@@ -20,6 +20,7 @@ from training_core.redaction import redact_uri
 log = logging.getLogger(__name__)
 
 PROCESS_TAG = "tessera.process"  # host:pid:start time of the process that started the run
+FAILURE_TAG = "tessera.failure"  # "Type: message" of the error a FAILED run ended with
 
 
 def _check_artifact_location(experiment: str, location: str, artifact_root: Path) -> None:
@@ -188,6 +189,21 @@ class MlflowTracking:
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
+
+    def end_failed_run(self, run_id: str, error: BaseException) -> None:
+        """End the run FAILED, saying why in its `tessera.failure` tag: ``Type: message``, with the
+        credentials of any URI in it redacted, cut to MLflow's longest tag value. Best effort: a
+        store that cannot take the tag must not hide the error the run failed with."""
+        from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+
+        reason = redact_uri(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
+        if len(reason) > MAX_TAG_VAL_LENGTH:
+            reason = reason[: MAX_TAG_VAL_LENGTH - 1] + "…"
+        try:
+            self.client.set_tag(run_id, FAILURE_TAG, reason)
+        except Exception as tag_error:  # noqa: BLE001 - the run's own error is the one to raise
+            log.warning("MLflow run %s: could not record why it failed (%s)", run_id, redact_uri(str(tag_error)))
+        self.end_run(run_id, status="FAILED")
 
     def run_url(self, run_id: str, ui_base: str = "http://127.0.0.1:5000") -> str:
         return f"{ui_base}/#/experiments/{self.experiment_id}/runs/{run_id}"

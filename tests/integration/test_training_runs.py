@@ -184,6 +184,17 @@ def test_killed_worker_resumes_bit_identically(train, workers):
     _assert_identical(uninterrupted, faulted)
 
 
+def test_a_worker_killed_before_the_first_checkpoint_counts_as_a_restart(train):
+    # Killed after step 2, before the step-3 checkpoint: the group restarts from step 0, with no
+    # checkpoint holding a count to add to.
+    config = _config(num_workers=1, max_steps=4, checkpoint_every_steps=3, warmup_steps=0)
+    faulted = train("lora-1w-killed-before-checkpoint", config, fault_step=2)
+    assert faulted.restarts == 1 and [step for step, _ in faulted.loss_history] == [1, 2, 3, 4]
+    # Relaunching the finished run starts the worker group once more, but trains nothing: no restart.
+    again = train("lora-1w-killed-before-checkpoint-relaunched", config, run_name=faulted.run_name)
+    assert again.restarts == 1
+
+
 ZERO3_SHORT = dict(max_steps=2, zero_stage=3, offload_optimizer="cpu")
 # LoRA only: the whole base model, embeddings included, is frozen and left out of the checkpoints.
 FROZEN_BASE_ZERO3 = dict(lora=LoraSettings(modules_to_save=[], dropout=0.1), max_steps=16, checkpoint_every_steps=5,

@@ -204,6 +204,26 @@ def load_progress(directory: Path) -> TrainingProgress:
     return TrainingProgress(**data)
 
 
+WORKER_GROUP_STARTS = "worker-group-starts.log"
+
+
+def record_worker_group_start(run_directory: Path) -> int:
+    """Append one line for this start of the run's worker group (rank 0's, once per start) to a file
+    in the run's storage folder, and return how many starts it holds, this one included. Counted
+    here, not in the checkpoints: a group restarted before the first checkpoint resumes nothing, and
+    two restarts after the same checkpoint both resume its count. One short O_APPEND write: a start
+    is a whole line or none."""
+    path = run_directory / WORKER_GROUP_STARTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {os.uname().nodename} pid {os.getpid()}\n".encode()
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(descriptor, line)
+    finally:
+        os.close(descriptor)
+    return path.read_bytes().count(b"\n")
+
+
 def find_latest_checkpoint(run_directory: Path) -> Path | None:
     """The newest complete checkpoint under a Ray Train run folder (local storage), or None.
 

@@ -211,7 +211,7 @@ def run_training(
         progress = load_progress(Path(directory))
         final_model = publish_final_checkpoint(Path(directory), storage_path / run_name, output_dir / run_name)
     if progress.restarts:
-        log.warning("training run %s resumed from checkpoint %d time(s)", run_name, progress.restarts)
+        log.warning("training run %s: its worker group restarted %d time(s)", run_name, progress.restarts)
     return TrainingResult(
         run_name=run_name,
         model_dir=str(final_model),

@@ -31,6 +31,7 @@ from training_core.train.checkpointing import (
     find_latest_checkpoint,
     load_progress,
     record_run_settings,
+    record_worker_group_start,
     refuse_changed_settings,
     restore_checkpoint,
     save_checkpoint,
@@ -106,18 +107,22 @@ def quiet_known_library_warnings() -> None:
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
+    import ray.train
+
     inputs = WorkerInputs(**loop_config)
     stop_if_an_earlier_attempt_failed(inputs.run_directory)
+    rank = ray.train.get_context().get_world_rank()
+    group_starts = None
+    if rank == 0 and inputs.run_directory:
+        group_starts = record_worker_group_start(Path(inputs.run_directory))
     try:
-        _run_recipe(inputs)
+        _run_recipe(inputs, group_starts)
     except REPEATABLE_ERRORS as error:
-        import ray.train
-
-        record_repeatable_failure(inputs.run_directory, ray.train.get_context().get_world_rank(), error)
+        record_repeatable_failure(inputs.run_directory, rank, error)
         raise
 
 
-def _run_recipe(inputs: WorkerInputs) -> None:
+def _run_recipe(inputs: WorkerInputs, group_starts: int | None) -> None:
     startup = StartupClock(inputs.launched_at)
     startup.mark("ray_worker_group", at=_MODULE_IMPORT_STARTED)  # Ray Train controller, workers, process group
     startup.mark("recipe_imports")  # torch, transformers, … (pulled in by unpickling this function)
@@ -173,7 +178,7 @@ def _run_recipe(inputs: WorkerInputs) -> None:
     startup.mark("deepspeed_initialize")
 
     # Resume or start fresh.
-    progress, loader_state, resumed_from = _resume(engine, rank, inputs, config)
+    progress, loader_state, resumed_from = _resume(engine, rank, inputs, config, group_starts)
     if loader_state is None:
         torch.manual_seed(config.seed + rank)
     progress.world_size = world_size
@@ -313,22 +318,37 @@ def _checkpoint_directory(checkpoint: Checkpoint | Path) -> Iterator[Path]:
 
 
 def _resume(
-    engine, rank: int, inputs: WorkerInputs, config: TrainingConfig
+    engine, rank: int, inputs: WorkerInputs, config: TrainingConfig, group_starts: int | None
 ) -> tuple[TrainingProgress, dict | None, Checkpoint | Path | None]:
     """Restore from the latest checkpoint, if any. Returns (progress, loader_state, the checkpoint
-    resumed from or None); a finished run's model is later copied from that checkpoint."""
+    resumed from or None); a finished run's model is later copied from that checkpoint.
+
+    ``progress.restarts`` counts the starts of the run's worker group after its first: Ray Train's
+    restarts and relaunches alike, with or without a checkpoint to resume. ``group_starts``: rank 0's
+    count of them, this one included (`record_worker_group_start`); None on the other ranks."""
+    earlier_starts = _on_every_rank(group_starts, engine.device) - 1 if inputs.run_directory else 0
     checkpoint = _latest_checkpoint(inputs)
     if checkpoint is None:
-        return TrainingProgress(), None, None
+        if earlier_starts > 0:
+            log.warning("rank %d: no checkpoint yet, training from step 0 (restart %d)", rank, earlier_starts)
+        return TrainingProgress(restarts=earlier_starts), None, None
     with _checkpoint_directory(checkpoint) as directory:
         # The driver checked the checkpoint it expected Ray to hand over; this is the one it did.
         refuse_changed_settings(inputs.run_directory or directory.parent, directory.name, load_progress(directory),
                                 config, *inputs.trained_on())
         progress, loader_state = restore_checkpoint(directory, engine, rank)
     if not progress.finished:  # relaunching a finished run is a no-op, not a restart
-        progress.restarts += 1
+        # The checkpoint's own count too: runs checkpointed before the starts were recorded.
+        progress.restarts = max(progress.restarts + 1, earlier_starts)
     log.warning("rank %d resumed from checkpoint at step %d (restart %d)", rank, progress.step, progress.restarts)
     return progress, loader_state, checkpoint
+
+
+def _on_every_rank(rank0_value: int | None, device: torch.device) -> int:
+    """Rank 0's value on every rank: only rank 0 records the worker group's starts."""
+    value = torch.tensor([rank0_value or 0], dtype=torch.int64, device=device)
+    torch.distributed.broadcast(value, src=0)
+    return int(value.item())
 
 
 def _report(engine, rank: int, progress: TrainingProgress, loader_state: dict,
