@@ -7,7 +7,7 @@ import dagster as dg
 from pydantic import Field
 
 from assets.launch_checks import refuse_invalid_run_config
-from assets.partitions import DAILY
+from assets.partitions import DAILY, daily_blocking_check
 from resources import TesseraStorage
 from training_core.base_model import BaseModelRef, check_context_length, load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, PublishedDataset, write_dataset
@@ -85,11 +85,24 @@ class TrainingDatasetConfig(dg.Config):
     )
 
 
+# What each of run_dataset_checks' checks verifies, shown with it in the UI.
+DATASET_CHECK_DESCRIPTIONS = {
+    "schema": "input_ids and labels are list<int32> columns and every row is seq_len tokens wide",
+    "no_empty_rows": "there are training rows and each trains at least one token",
+    "no_duplicate_rows": "no packed training row repeats another, except rows packed from source records that "
+                         "repeat an earlier one's tokens, while those are at most max_repeated_records of the day's",
+    "token_lengths": "packing fills the training rows: at least 50 % on average, the last row (what was left over) "
+                     "not counted",
+    "no_eval_leakage": "no held-out example (prompt + response tokens) is packed whole into a training row",
+}
+
+
 @dg.asset(
     partitions_def=DAILY,
     group_name="data",
     kinds={"parquet"},
-    check_specs=[dg.AssetCheckSpec(name, asset="training_dataset", blocking=True) for name in DATASET_CHECK_NAMES],
+    check_specs=[daily_blocking_check(name, "training_dataset", DATASET_CHECK_DESCRIPTIONS[name])
+                 for name in DATASET_CHECK_NAMES],
 )
 def training_dataset(
     context: dg.AssetExecutionContext,

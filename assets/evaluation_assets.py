@@ -11,7 +11,7 @@ from dagster_ray import RayResource
 from pydantic import Field, field_validator
 
 from assets.launch_checks import refuse_invalid_run_config
-from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
+from assets.partitions import DAILY, TRAINING_WINDOW, by_partition, daily_blocking_check
 from assets.training_assets import TrainedModel
 from resources import MlflowTracker, TesseraStorage
 from resources.ray_cluster import connect_unless_connected, gpu_available_in_cluster
@@ -107,13 +107,13 @@ class EvaluationConfig(dg.Config):
     group_name="evaluation",
     ins={"training_dataset": dg.AssetIn(partition_mapping=TRAINING_WINDOW)},
     check_specs=[
-        dg.AssetCheckSpec("beats_base_model", asset="evaluation", blocking=True,
-                          description="the trained model's held-out loss is below max_loss_ratio × the base model's "
-                                      f"(default {MAX_LOSS_RATIO}: below the base's)"),
-        dg.AssetCheckSpec("not_worse_than_champion", asset="evaluation", blocking=True,
-                          description="held-out loss at most champion_tolerance above the current champion's "
-                                      f"(default {CHAMPION_TOLERANCE:.0%}), or {CHAMPION_SLACK_NATS:g} nats "
-                                      "where that is more"),
+        daily_blocking_check("beats_base_model", "evaluation",
+                             "the trained model's held-out loss is below max_loss_ratio × the base model's "
+                             f"(default {MAX_LOSS_RATIO}: below the base's)"),
+        daily_blocking_check("not_worse_than_champion", "evaluation",
+                             "held-out loss at most champion_tolerance above the current champion's "
+                             f"(default {CHAMPION_TOLERANCE:.0%}), or {CHAMPION_SLACK_NATS:g} nats where that is "
+                             "more"),
     ],
 )
 def evaluation(

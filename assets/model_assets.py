@@ -16,7 +16,7 @@ class BaseModelConfig(dg.Config):
                             "(org/name or org/name@revision), pinned to the commit it resolves to"
     )
     demo_hidden_size: int = Field(128, gt=0, description="demo only: a multiple of its 4 attention heads")
-    demo_layers: int = Field(2, gt=0)
+    demo_layers: int = Field(2, gt=0, description="demo only: number of decoder layers (transformer blocks)")
     demo_seed: int = Field(0, ge=0, le=2**63 - 1, description="weight init seed of the demo model (torch.manual_seed)")
 
     @field_validator("demo_hidden_size")

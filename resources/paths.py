@@ -33,17 +33,23 @@ def state_root(home: str | None) -> Path:
     return root
 
 
-def refuse_read_only_state(root: Path, *paths: Path) -> None:
-    """Raise naming the first existing one of ``paths`` (in the state folder ``root``) this process
-    cannot write. A populated read-only folder otherwise failed inside Dagster's or MLflow's SQLite
-    ("unable to open database file", blaming dagster.yaml) or, in `tessera reproduce`, only after
-    Ray had started ("attempt to write a readonly database" deep in a traceback)."""
+def refuse_read_only_state(root: Path, *paths: Path, chosen_by: str = "--home / TESSERA_HOME") -> None:
+    """Raise naming the first existing one of ``paths`` (in the state folder ``root``, set by
+    ``chosen_by``) this process cannot write. A populated read-only folder otherwise failed inside
+    Dagster's or MLflow's SQLite ("unable to open database file", blaming dagster.yaml) or, in
+    `tessera reproduce`, only after Ray had started ("attempt to write a readonly database" deep in a
+    traceback)."""
     for path in paths:
         if path.exists() and not os.access(path, os.W_OK):  # also False on a read-only mount, even for root
             read_only_disk = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
             why = "on a read-only file system" if read_only_disk else "not writable by this user"
             raise ConfigError(f"state folder {root} is read-only ({path} is {why}); make it writable, or use a "
-                              "writable state folder (--home / TESSERA_HOME)")
+                              f"writable state folder ({chosen_by})")
+
+
+# What a run writes in the state folder, besides ray/ unless ray_storage_uri is elsewhere (dagster/ is the
+# instance's, checked before a run starts). Not the root: a read-only volume root with writable subfolders works.
+_RUN_WRITES = ("datasets", "cache", "models", "mlartifacts", "mlflow.db")
 
 
 class TesseraStorage(dg.ConfigurableResource):
@@ -73,6 +79,13 @@ class TesseraStorage(dg.ConfigurableResource):
                 "object-store URIs are not supported. To share checkpoints across nodes, mount one filesystem "
                 "(NFS, EFS, CephFS, ...) at the same path on every node and name a folder on it")
         return str(Path(text).expanduser())
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        """A read-only state folder given as storage.home in run config is refused as the run starts:
+        steps otherwise failed one by one on a bare "Read-only file system" in a staging folder."""
+        root = self.root
+        writes = _RUN_WRITES if self.ray_storage_uri else (*_RUN_WRITES, "ray")
+        refuse_read_only_state(root, *(root / name for name in writes), chosen_by="storage.home / TESSERA_HOME")
 
     @property
     def root(self) -> Path:
