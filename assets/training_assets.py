@@ -1,7 +1,7 @@
 """lora_adapter: distributed DeepSpeed + PEFT training on Ray, tracked in MLflow."""
 
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import dagster as dg
@@ -15,6 +15,7 @@ from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
 from assets.run_identity import record_this_process
 from resources import MlflowTracker, RowGroupCache, TesseraStorage
+from resources.io_manager import STORED_BEFORE_IT
 from resources.ray_cluster import check_cluster_capacity, connect_unless_connected, gpu_available_in_cluster
 from training_core.base_model import BaseModelRef
 from training_core.data.window import DatasetWindow, window_digest
@@ -31,9 +32,9 @@ class TrainedModel:
     base_model: str
     dataset_digest: str
     final_loss: float
-    # The base model's digest it trained on; evaluation refuses another base. Defaulted so values the
-    # io manager pickled before it was recorded still load (they read "": unrecorded).
-    base_model_digest: str = ""
+    # The base model's digest it trained on; evaluation refuses another base. Values the io manager
+    # pickled before it was recorded load with "" (unrecorded): evaluation reads it from the run's lineage.
+    base_model_digest: str = field(default="", metadata={STORED_BEFORE_IT: True})
 
 
 class TrainingRunConfig(dg.Config):

@@ -52,6 +52,10 @@ class AtomicPickleIOManager(PickledObjectFilesystemIOManager):
         return _current(context, value, "", path)
 
 
+# Field metadata of an asset value's dataclass: values stored before the field existed load with its default.
+STORED_BEFORE_IT = "tessera.default_means_stored_before_it"
+
+
 class StaleValueError(RuntimeError):
     """A stored asset value was written by a version of Tessera whose types have changed since."""
 
@@ -59,12 +63,13 @@ class StaleValueError(RuntimeError):
 def _current(context: dg.InputContext, value, which: str, path):
     """A dataclass unpickled from an older version lacks the fields added since; without this
     check the step fails later with an AttributeError that names neither the asset nor the fix.
-    A field added with a default is what the class says an older value means: it loads with it
-    (a factory's default is set on the value, a plain default is read from the class)."""
+    A field whose metadata says its default is what an older value means (``STORED_BEFORE_IT: True``,
+    e.g. "" for "not recorded", which the reader then looks up elsewhere) loads with that default; any
+    other missing field is refused, even with a default: PublishedDataset.failed_checks = None reads
+    "passed", which a value stored before the checks were recorded never said."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__dict__"):
         absent = [field for field in dataclasses.fields(value) if field.name not in vars(value)]
-        missing = [field.name for field in absent
-                   if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING]
+        missing = [field.name for field in absent if not field.metadata.get(STORED_BEFORE_IT)]
         if missing:
             raise StaleValueError(_stale(context, which, path, f"{type(value).__name__} lacks {', '.join(missing)}"))
         for field in absent:

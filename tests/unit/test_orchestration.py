@@ -381,20 +381,26 @@ def test_a_value_stored_by_an_older_version_is_named_with_what_to_rematerialize(
 @dataclasses.dataclass(frozen=True)
 class _StoredShapeWithDefaults:
     path: str
-    digest: str = ""  # added later: "" means "not recorded" for values stored before it
-    tags: tuple = dataclasses.field(default_factory=tuple)
+    # Added later, with defaults that say what older values mean.
+    digest: str = dataclasses.field(default="", metadata={"tessera.default_means_stored_before_it": True})
+    tags: tuple = dataclasses.field(default_factory=tuple, metadata={"tessera.default_means_stored_before_it": True})
+    # Added later too, but None would claim something older values never said (as failed_checks: passed).
+    failed_checks: tuple | None = None
 
 
-def test_a_value_stored_before_fields_with_defaults_were_added_loads_with_those_defaults(tmp_path):
-    """TrainedModel.base_model_digest: a field added with a default says what older values mean;
-    refusing them forced a retrain of every day stored before an upgrade."""
+def test_a_value_stored_before_fields_were_added_loads_only_where_their_defaults_say_so(tmp_path):
+    """TrainedModel.base_model_digest: a field added with a default marked as what older values mean
+    loads (refusing it forced a retrain of every day stored before an upgrade); other new fields are
+    still refused (PublishedDataset.failed_checks = None would read a never-checked day as passed)."""
     import pickle
 
-    from resources.io_manager import AtomicFilesystemIOManager
+    from resources.io_manager import STORED_BEFORE_IT, AtomicFilesystemIOManager, StaleValueError
+
+    assert STORED_BEFORE_IT == "tessera.default_means_stored_before_it"
 
     @dg.asset
     def stored() -> _StoredShapeWithDefaults:
-        return _StoredShapeWithDefaults("/data/v1", "d1", ("x",))
+        return _StoredShapeWithDefaults("/data/v1", "d1", ("x",), ())
 
     @dg.asset
     def reader(stored: _StoredShapeWithDefaults) -> tuple:
@@ -403,12 +409,17 @@ def test_a_value_stored_before_fields_with_defaults_were_added_loads_with_those_
     resources = {"io_manager": AtomicFilesystemIOManager(base_dir=str(tmp_path))}
     with dg.instance_for_test() as instance:
         assert dg.materialize([stored], instance=instance, resources=resources).success
-        older = _StoredShapeWithDefaults("/data/v0")
+        older = _StoredShapeWithDefaults("/data/v0", failed_checks=())
         object.__delattr__(older, "digest")  # as pickled before the fields existed
         object.__delattr__(older, "tags")
         (tmp_path / "stored").write_bytes(pickle.dumps(older))
         result = dg.materialize([stored, reader], selection=[reader], instance=instance, resources=resources)
         assert result.output_for_node("reader") == ("/data/v0", "", ())
+
+        object.__delattr__(older, "failed_checks")
+        (tmp_path / "stored").write_bytes(pickle.dumps(older))
+        with pytest.raises(StaleValueError, match=r"\(_StoredShapeWithDefaults lacks failed_checks\)"):
+            dg.materialize([stored, reader], selection=[reader], instance=instance, resources=resources)
 
 
 def test_a_failed_demo_ends_with_the_failing_step_and_its_own_error():

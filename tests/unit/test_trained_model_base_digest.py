@@ -56,3 +56,26 @@ def test_the_digest_carried_by_the_trained_model_decides(tracking):
     with pytest.raises(LineageError, match="rematerialize lora_adapter for partition 2026-11-01"):
         _refuse_another_base_model(trained, _base(OTHER), tracking, "2026-11-01")
     _refuse_another_base_model(trained, _base(TRAINED_ON), tracking, "2026-11-01")
+
+
+def test_an_older_pickled_trained_model_loads_through_the_io_manager(tmp_path):
+    # Refused as stale, it forced a retrain of every day stored before the upgrade.
+    import dagster as dg
+
+    from resources.io_manager import AtomicFilesystemIOManager
+
+    @dg.asset
+    def lora_adapter() -> TrainedModel:
+        raise AssertionError("stored below, not materialized")
+
+    @dg.asset
+    def reads_it(lora_adapter: TrainedModel) -> str:
+        return lora_adapter.base_model_digest
+
+    old = _stored_before_the_digest_was(
+        TrainedModel("/models/trained/x", "lora", "run", "/models/base/x", "d" * 64, 1.0, base_model_digest="a"))
+    (tmp_path / "lora_adapter").write_bytes(pickle.dumps(old))
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([lora_adapter, reads_it], selection=[reads_it], instance=instance,
+                                resources={"io_manager": AtomicFilesystemIOManager(base_dir=str(tmp_path))})
+    assert result.output_for_node("reads_it") == ""  # unrecorded: evaluation reads the run's lineage
