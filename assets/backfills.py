@@ -18,8 +18,8 @@ from dagster._core.storage.tags import BACKFILL_ID_TAG  # the id of the backfill
 
 from assets.partitions import TRAINING_WINDOW_DAYS
 
-# What the training window reads of each day (its warmed cache; the dataset behind it goes with it).
-WINDOW_DATA_ASSET = dg.AssetKey("row_group_cache")
+# What the training window reads of each day: lora_adapter its warmed cache, evaluation its dataset.
+WINDOW_DATA_ASSETS = (dg.AssetKey("training_dataset"), dg.AssetKey("row_group_cache"))
 
 
 def refuse_day_added_beyond_backfill_range(context: dg.AssetExecutionContext) -> None:
@@ -43,17 +43,18 @@ def day_added_beyond_backfill_range(instance: dg.DagsterInstance, run_tags: dict
     if backfill is None or not backfill.is_asset_backfill:
         return None
     target = backfill.get_asset_backfill_data(asset_graph).target_subset
-    built = target.partitions_subsets_by_asset_key.get(WINDOW_DATA_ASSET)
-    built_days = set(built.get_partition_keys()) if built is not None else set()
+    built_days = {built_day for key in WINDOW_DATA_ASSETS
+                  if (built := target.partitions_subsets_by_asset_key.get(key)) is not None
+                  for built_day in built.get_partition_keys()}
     earlier = [earlier_day for earlier_day in _earlier_window_days(day) if earlier_day in built_days]
     if day in built_days or not earlier:
         return None
     held = ", ".join(earlier)
     return (
-        f"not training {day}: Dagster added day {day} to backfill {backfill_id} because its training window holds "
-        f"{held}, where the backfill builds {WINDOW_DATA_ASSET.to_user_string()}; the backfill does not build {day}'s "
-        f"own data. Trained here, {day} would be retrained with this backfill's settings, its evaluation replaced "
-        f"and `champion` possibly moved. Include {day} in the backfill's range to train it; to backfill a range "
+        f"not running {day}: Dagster added day {day} to backfill {backfill_id} because its training window holds "
+        f"{held}, whose data the backfill builds; the backfill does not build {day}'s own data. Run here, {day} "
+        f"would be retrained or re-evaluated with this backfill's settings and `champion` possibly moved. Include "
+        f"{day} in the backfill's range (its data assets too) to train it; to backfill a range "
         "alone, backfill raw_examples, training_dataset, row_group_cache over it first, then lora_adapter, "
         "evaluation, promoted_model over the same days (a backfill starting at lora_adapter adds no day)"
     )

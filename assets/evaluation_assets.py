@@ -10,6 +10,7 @@ import dagster as dg
 from dagster_ray import RayResource
 from pydantic import Field, field_validator
 
+from assets.backfills import refuse_day_added_beyond_backfill_range
 from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition, daily_blocking_check
 from assets.training_assets import TrainedModel
@@ -129,6 +130,7 @@ def evaluation(
     """Eval loss, perplexity and exact-match on the training window's held-out prompts: base vs trained vs
     champion. Blocking checks stop promotion when training did not help."""
     refuse_invalid_run_config(context)
+    refuse_day_added_beyond_backfill_range(context)  # its window, like lora_adapter's, pulls in the next day
     window = DatasetWindow.from_partitions(by_partition(training_dataset, context, "training_dataset"))
     if lora_adapter.dataset_digest != window.digest:
         raise ValueError(

@@ -12,7 +12,7 @@ import uuid
 
 import dagster as dg
 from dagster._core.storage.fs_io_manager import PickledObjectFilesystemIOManager
-from dagster._core.storage.tags import BACKFILL_ID_TAG, PARTITION_NAME_TAG
+from dagster._core.storage.tags import PARTITION_NAME_TAG
 
 from training_core.storage import flush_file, sync_directory
 
@@ -94,22 +94,22 @@ def _never_materialized(context: dg.InputContext, which: str, path) -> str:
 
 
 def _added_by_an_asset_backfill(context: dg.InputContext, which: str) -> str:
-    """A hint for a backfill's run of a day whose window input is missing: an asset backfill also runs
-    lora_adapter (and what follows) for the day after its range (assets/backfills.py), whose own data
-    the backfill never built."""
+    """Why this run's day is in its asset backfill at all, where Dagster added it beyond the range
+    (assets/backfills.py): the day's own data, missing here, was never part of that backfill."""
     if not which:  # an unpartitioned input: no window, no added day
         return ""
     try:
-        tags = context.step_context.run_tags
+        step = context.step_context
     except dg.DagsterInvariantViolationError:  # a context built outside a run
         return ""
-    backfill, day = tags.get(BACKFILL_ID_TAG), tags.get(PARTITION_NAME_TAG)
-    if not (backfill and day):
+    day = step.run_tags.get(PARTITION_NAME_TAG)
+    if not day:
         return ""
-    return (f". If {day} is not in backfill {backfill}'s range, Dagster added it: an asset backfill of the data "
-            "and lora_adapter together also runs lora_adapter, evaluation and promoted_model for the day after "
-            "its range, whose training window holds the range's last day; backfill the data assets first, then "
-            "lora_adapter, evaluation, promoted_model over the same days")
+    # Imported here: the assets package imports this one.
+    from assets.backfills import day_added_beyond_backfill_range
+
+    added = day_added_beyond_backfill_range(step.instance, step.run_tags, day, step.job_def.asset_layer.asset_graph)
+    return f". {added}" if added else ""
 
 
 class AtomicFilesystemIOManager(dg.FilesystemIOManager):

@@ -14,6 +14,7 @@ from dagster._core.execution.backfill import PartitionBackfill
 
 from assets.backfills import day_added_beyond_backfill_range
 from pipelines.definitions import defs
+from assets.training_assets import TrainedModel
 from training_core.base_model import BaseModelRef
 
 RANGE = ["2026-11-02", "2026-11-03"]
@@ -53,10 +54,21 @@ def test_the_day_after_a_whole_graph_backfills_range_is_named_as_added_by_dagste
 
         added = _added(instance, "wholegraph", AFTER_RANGE)
         assert added is not None and added.startswith(
-            f"not training {AFTER_RANGE}: Dagster added day {AFTER_RANGE} to backfill wholegraph because its "
-            f"training window holds {RANGE[-1]}, where the backfill builds row_group_cache")
+            f"not running {AFTER_RANGE}: Dagster added day {AFTER_RANGE} to backfill wholegraph because its "
+            f"training window holds {RANGE[-1]}, whose data the backfill builds")
         assert f"Include {AFTER_RANGE} in the backfill's range" in added
         assert [_added(instance, "wholegraph", day) for day in RANGE] == [None, None]
+
+
+def test_evaluation_of_the_day_after_a_backfill_of_data_and_evaluation_is_named_as_added_too():
+    # evaluation reads training_dataset over the window itself: without lora_adapter in the backfill
+    # it would re-score that day's stored model with the backfill's gate settings and could promote it.
+    with dg.instance_for_test() as instance:
+        backfill = _asset_backfill(instance, "dataeval", ["raw_examples", "training_dataset", "evaluation",
+                                                          "promoted_model"])
+        assert _targeted_days(backfill, "evaluation") == [*RANGE, AFTER_RANGE]
+        assert _added(instance, "dataeval", AFTER_RANGE) is not None
+        assert [_added(instance, "dataeval", day) for day in RANGE] == [None, None]
 
 
 def test_a_backfill_starting_at_lora_adapter_adds_no_day_and_trains_every_day_it_holds():
@@ -75,15 +87,18 @@ class _NeverMaterializedInputs(dg.IOManager):
     """Upstream values of a run the training step must refuse before it reads any of them."""
 
     def load_input(self, context: dg.InputContext):
-        if context.name == "base_model":  # the one input Dagster type-checks
+        if context.name == "base_model":  # the inputs Dagster type-checks
             return BaseModelRef("never-read", "never-read", parameters=0, vocab_size=None, source="demo")
+        if context.name == "lora_adapter":
+            return TrainedModel("never-read", "lora", "never-read", "never-read", "never-read", 0.0)
         return None
 
     def handle_output(self, context: dg.OutputContext, obj) -> None:
         raise AssertionError("lora_adapter stored a value: it trained")
 
 
-def test_lora_adapter_refuses_the_added_day_before_any_work(tmp_path):
+@pytest.mark.parametrize("asset", ["lora_adapter", "evaluation"])
+def test_training_and_evaluation_refuse_the_added_day_before_any_work(tmp_path, asset):
     from pipelines.graph import ASSETS
     from pipelines.resources_local import local_resources
     from resources import MlflowTracker, RowGroupCache, TesseraStorage
@@ -93,16 +108,16 @@ def test_lora_adapter_refuses_the_added_day_before_any_work(tmp_path):
                  "cache": RowGroupCache(storage=storage), "io_manager": _NeverMaterializedInputs()}
     with dg.instance_for_test() as instance:
         _asset_backfill(instance, "wholegraph", WHOLE_GRAPH)
-        with pytest.raises(dg.Failure, match=f"^not training {AFTER_RANGE}: Dagster added day {AFTER_RANGE} to "
+        with pytest.raises(dg.Failure, match=f"^not running {AFTER_RANGE}: Dagster added day {AFTER_RANGE} to "
                                              "backfill wholegraph because"):
-            dg.materialize(ASSETS, selection=["lora_adapter"], partition_key=AFTER_RANGE, instance=instance, resources=resources,
-                           tags={"dagster/backfill": "wholegraph"})
-    assert not (tmp_path / "models").exists() and not (tmp_path / "ray").exists()
+            dg.materialize(ASSETS, selection=[asset], partition_key=AFTER_RANGE, instance=instance,
+                           resources=resources, tags={"dagster/backfill": "wholegraph"})
+    assert [path.name for path in tmp_path.iterdir()] == []  # no model, Ray run, MLflow store or download
 
 
 def test_the_added_day_without_data_fails_loading_it_with_the_backfill_named(tmp_path):
     """Dagster loads inputs before the asset runs: where the added day's data was never built, the
-    load fails first, and says why that day is in the backfill."""
+    load fails first, and says why that day is in the backfill; a day the backfill asked for does not."""
     from pipelines.graph import ASSETS
     from pipelines.resources_local import local_resources
     from resources.io_manager import AtomicFilesystemIOManager
@@ -112,10 +127,13 @@ def test_the_added_day_without_data_fails_loading_it_with_the_backfill_named(tmp
         BaseModelRef("never-read", "never-read", parameters=0, vocab_size=None, source="demo")))
     with dg.instance_for_test() as instance:
         _asset_backfill(instance, "wholegraph", WHOLE_GRAPH)
-        with pytest.raises(FileNotFoundError) as failed:
-            dg.materialize(ASSETS, selection=["lora_adapter"], partition_key=AFTER_RANGE, instance=instance,
-                           resources=resources, tags={"dagster/backfill": "wholegraph"})
-    message = str(failed.value)
-    assert message.startswith("input 'row_group_cache' needs row_group_cache partition ")
-    assert (f"If {AFTER_RANGE} is not in backfill wholegraph's range, Dagster added it: an asset backfill "
-            "of the data and lora_adapter together also runs lora_adapter") in message
+        failures = {}
+        for day in (AFTER_RANGE, RANGE[-1]):
+            with pytest.raises(FileNotFoundError) as failed:
+                dg.materialize(ASSETS, selection=["lora_adapter"], partition_key=day, instance=instance,
+                               resources=resources, tags={"dagster/backfill": "wholegraph"})
+            failures[day] = str(failed.value)
+    assert failures[AFTER_RANGE].startswith("input 'row_group_cache' needs row_group_cache partition ")
+    assert (f". not running {AFTER_RANGE}: Dagster added day {AFTER_RANGE} to backfill wholegraph because"
+            in failures[AFTER_RANGE])
+    assert "Dagster added" not in failures[RANGE[-1]]  # a day asked for: only "materialize it first"
