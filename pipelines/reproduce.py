@@ -185,6 +185,8 @@ def print_drift(console: Console, run_id: str, drift: list[tuple[str, str, str]]
 def _fmt(value, every_digit: bool = False) -> str:
     if value is None:
         return "—"
+    if isinstance(value, str):  # already shown as it should be (the loss curve's cells)
+        return value
     if every_digit:
         return str(int(value)) if float(value).is_integer() else repr(float(value))  # shortest exact form
     return f"{value:.6g}"

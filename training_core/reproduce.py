@@ -224,18 +224,15 @@ def _seq_len(run_id: str, dataset: Path) -> int:
         raise LineageError(f"run {run_id}: cannot read spec.seq_len from {manifest}: {error!r}") from error
 
 
-def compare_runs(tracking: MlflowTracking, original_id: str, reproduced_id: str) -> list[tuple[str, float | None, float | None, bool | None]]:
+def compare_runs(tracking: MlflowTracking, original_id: str,
+                 reproduced_id: str) -> list[tuple[str, float | str | None, float | str | None, bool | None]]:
     """(metric, original, reproduced, equal) for the loss curve and every final metric either run has;
-    equal is None for a metric the original run never recorded."""
+    equal is None for a metric the original run never recorded. The curve's row shows its length in
+    steps, or, where the curves differ, the first step that does and both losses there."""
     client = tracking.client
-
-    def curve(run_id: str) -> list[float]:
-        return [loss for _, loss in tracking.loss_history(run_id)]
-
-    rows = []
-    original_curve, reproduced_curve = curve(original_id), curve(reproduced_id)
-    rows.append(("train_loss curve (steps)", float(len(original_curve)), float(len(reproduced_curve)),
-                 original_curve == reproduced_curve))
+    original_curve, reproduced_curve = tracking.loss_history(original_id), tracking.loss_history(reproduced_id)
+    rows: list[tuple[str, float | str | None, float | str | None, bool | None]] = [
+        ("train_loss curve", *_curve_cells(original_curve, reproduced_curve), original_curve == reproduced_curve)]
     original = client.get_run(original_id).data.metrics
     reproduced = client.get_run(reproduced_id).data.metrics
     comparable = ("train_loss", "eval_loss", "eval_exact_match", "eval_perplexity", "steps")
@@ -245,6 +242,13 @@ def compare_runs(tracking: MlflowTracking, original_id: str, reproduced_id: str)
             # None: the original never recorded it (e.g. its evaluation step did not run), nothing to compare
             rows.append((name, a, b, None if a is None else a == b))
     return rows
+
+
+def _curve_cells(original: list[tuple[int, float]], reproduced: list[tuple[int, float]]) -> tuple[str, str]:
+    for (original_step, original_loss), (reproduced_step, reproduced_loss) in zip(original, reproduced):
+        if (original_step, original_loss) != (reproduced_step, reproduced_loss):
+            return f"step {original_step}: {original_loss!r}", f"step {reproduced_step}: {reproduced_loss!r}"
+    return f"{len(original)} steps", f"{len(reproduced)} steps"
 
 
 def _which_files(directories: list[Path]) -> str:

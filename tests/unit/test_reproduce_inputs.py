@@ -145,6 +145,18 @@ def test_a_metric_the_original_never_recorded_is_shown_but_not_counted_as_a_mism
     assert rows["eval_exact_match"] is False
 
 
+def test_curves_that_differ_are_shown_at_their_first_differing_step(tracking):
+    original, reproduced, same = (tracking.start_run(name, tags={}) for name in ("original", "reproduced", "same"))
+    for run_id, losses in ((original, [2.0, 1.5, 1.25]), (reproduced, [2.0, 1.5000000001, 1.25]),
+                           (same, [2.0, 1.5, 1.25])):
+        for step, loss in enumerate(losses, start=1):
+            tracking.client.log_metric(run_id, "train_loss", loss, step=step)
+    rows = {name: (a, b, equal) for name, a, b, equal in compare_runs(tracking, original, reproduced)}
+    assert rows["train_loss curve"] == ("step 2: 1.5", "step 2: 1.5000000001", False)
+    rows = {name: (a, b, equal) for name, a, b, equal in compare_runs(tracking, original, same)}
+    assert rows["train_loss curve"] == ("3 steps", "3 steps", True)
+
+
 def _must_not_train(*args, **kwargs):
     raise AssertionError("training started although evaluation could not run as recorded")
 

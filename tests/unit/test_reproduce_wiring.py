@@ -126,7 +126,7 @@ def test_a_reproduction_that_stops_early_leaves_no_checkpoints_behind(home, monk
 
 def test_metrics_that_differ_are_shown_with_every_digit():
     # eval_loss changed by 3.6e-10 after the eval-loss rewrite: at 6 digits both read 0.00555272, marked NO.
-    rows = [("train_loss curve (steps)", 60.0, 60.0, True), ("train_loss", 1.2345678, 1.2345678, True),
+    rows = [("train_loss curve", "step 7: 1.25", "step 7: 1.2500000001", False), ("train_loss", 1.2345678, 1.2345678, True),
             ("eval_loss", 0.005552722056906427, 0.005552721697481434, False), ("steps", 60.0, 59.0, False),
             ("eval_exact_match", None, 1.0, None)]
     output = StringIO()
@@ -136,4 +136,5 @@ def test_metrics_that_differ_are_shown_with_every_digit():
     assert lines["eval_loss"] == ["0.005552722056906427", "0.005552721697481434", "NO"]
     assert lines["steps"] == ["60", "59", "NO"]
     assert lines["train_loss"] == ["1.23457", "1.23457", "yes"]
+    assert lines["train_loss curve"] == ["step 7: 1.25", "step 7: 1.2500000001", "NO"]
     assert lines["eval_exact_match"] == ["—", "1", "not recorded"]
