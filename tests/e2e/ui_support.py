@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -55,9 +56,27 @@ def artifacts_dir() -> Path:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range. A port the kernel handed out (bind to
+    0) is free again once released, and the next process asking for any port may get it before the
+    webserver binds it: under xdist, a gRPC server (Dagster's code server, Ray's) answered the
+    webserver's first GraphQL request in HTTP/2 (http.client.BadStatusLine)."""
+    low = _ephemeral_port_range()[0]
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port below {low}")
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):  # not Linux: the IANA range
+        return 49152, 65535
 
 
 def poll(what: str, probe: Callable[[], T | None], timeout_s: float, interval_s: float = 1.0) -> T:
