@@ -5,8 +5,10 @@ on its root assets, then every partition downstream of them through the partitio
 training window (assets/partitions.py) maps a day's data to lora_adapter of that day *and* of the
 next days inside the window, so a backfill whose range ends on D also runs lora_adapter, evaluation
 and promoted_model of D+1, without building D+1's data: it would retrain D+1 with the backfill's
-settings, replace its evaluation and could move `champion`. A backfill whose roots are lora_adapter
-(or a job's backfill: one run per requested day) targets its requested days only.
+settings, replace its evaluation and could move `champion`. evaluation reads the window's datasets
+itself, so a backfill of the data with evaluation adds evaluation and promoted_model of D+1 likewise.
+A backfill whose roots are lora_adapter (or a job's backfill: one run per requested day) targets its
+requested days only.
 """
 
 from __future__ import annotations
