@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from training_core.train.checkpointing import WORKER_GROUP_STARTS, record_worker_group_start
+import pytest
+
+from training_core.train.checkpointing import (
+    WORKER_GROUP_STARTS,
+    TrainingProgress,
+    record_worker_group_start,
+    restarts_on_resume,
+)
 
 
 def test_each_start_adds_one_line_and_returns_the_count_so_far(tmp_path):
@@ -14,3 +21,16 @@ def test_each_start_adds_one_line_and_returns_the_count_so_far(tmp_path):
 def test_a_run_in_another_folder_counts_from_one(tmp_path):
     record_worker_group_start(tmp_path / "first")
     assert record_worker_group_start(tmp_path / "second") == 1
+
+
+@pytest.mark.parametrize(("checkpointed", "earlier_starts", "restarts"), [
+    (None, 0, 0),                                       # a first start
+    (None, 1, 1),                                       # killed before the first checkpoint
+    (TrainingProgress(step=3), 1, 1),                   # killed after it: resumed once
+    (TrainingProgress(step=3), 2, 2),                   # killed twice after the same checkpoint
+    (TrainingProgress(step=3, restarts=1), 0, 2),       # a checkpoint from before starts were recorded
+    (TrainingProgress(step=8, restarts=1, finished=True), 3, 1),  # a finished run relaunched trains nothing
+])
+def test_restarts_count_every_start_after_the_first_whatever_the_checkpoints_say(checkpointed, earlier_starts,
+                                                                                  restarts):
+    assert restarts_on_resume(checkpointed, earlier_starts) == restarts

@@ -224,6 +224,18 @@ def record_worker_group_start(run_directory: Path) -> int:
     return path.read_bytes().count(b"\n")
 
 
+def restarts_on_resume(checkpointed: TrainingProgress | None, earlier_starts: int) -> int:
+    """The run's restarts as its worker group starts again: ``earlier_starts`` (the group's starts
+    before this one) with no checkpoint; with one, its count plus this restart, or ``earlier_starts``
+    where that is more (two restarts after one checkpoint; the checkpoint's count alone covers runs
+    checkpointed before starts were recorded). Resuming a finished run trains nothing: no restart."""
+    if checkpointed is None:
+        return earlier_starts
+    if checkpointed.finished:
+        return checkpointed.restarts
+    return max(checkpointed.restarts + 1, earlier_starts)
+
+
 def find_latest_checkpoint(run_directory: Path) -> Path | None:
     """The newest complete checkpoint under a Ray Train run folder (local storage), or None.
 

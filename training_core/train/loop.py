@@ -32,6 +32,7 @@ from training_core.train.checkpointing import (
     load_progress,
     record_run_settings,
     record_worker_group_start,
+    restarts_on_resume,
     refuse_changed_settings,
     restore_checkpoint,
     save_checkpoint,
@@ -331,15 +332,13 @@ def _resume(
     if checkpoint is None:
         if earlier_starts > 0:
             log.warning("rank %d: no checkpoint yet, training from step 0 (restart %d)", rank, earlier_starts)
-        return TrainingProgress(restarts=earlier_starts), None, None
+        return TrainingProgress(restarts=restarts_on_resume(None, earlier_starts)), None, None
     with _checkpoint_directory(checkpoint) as directory:
         # The driver checked the checkpoint it expected Ray to hand over; this is the one it did.
         refuse_changed_settings(inputs.run_directory or directory.parent, directory.name, load_progress(directory),
                                 config, *inputs.trained_on())
         progress, loader_state = restore_checkpoint(directory, engine, rank)
-    if not progress.finished:  # relaunching a finished run is a no-op, not a restart
-        # The checkpoint's own count too: runs checkpointed before the starts were recorded.
-        progress.restarts = max(progress.restarts + 1, earlier_starts)
+    progress.restarts = restarts_on_resume(progress, earlier_starts)
     log.warning("rank %d resumed from checkpoint at step %d (restart %d)", rank, progress.step, progress.restarts)
     return progress, loader_state, checkpoint
 
