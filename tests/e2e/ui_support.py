@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +23,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
+
+from tests.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -53,30 +53,6 @@ def artifacts_dir() -> Path:
     path = Path(os.environ.get("TESSERA_ARTIFACTS_DIR") or REPO_ROOT / "tests" / "artifacts")
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range. A port the kernel handed out (bind to
-    0) is free again once released, and the next process asking for any port may get it before the
-    webserver binds it: under xdist, a gRPC server (Dagster's code server, Ray's) answered the
-    webserver's first GraphQL request in HTTP/2 (http.client.BadStatusLine)."""
-    low = _ephemeral_port_range()[0]
-    for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free loopback port below {low}")
-
-
-def _ephemeral_port_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):  # not Linux: the IANA range
-        return 49152, 65535
 
 
 def poll(what: str, probe: Callable[[], T | None], timeout_s: float, interval_s: float = 1.0) -> T:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,18 +15,13 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.ports import free_port
 from training_core.train.ray_trainer import LOCAL_RAY_SETTINGS_ENV
 
 pytestmark = pytest.mark.integration
 
 VENV_BIN = Path(sys.executable).parent
 DEADLINE_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ray(*args: str, env: dict) -> None:
@@ -61,7 +55,7 @@ def _stop_cluster(temp_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def two_node_cluster():
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **CLUSTER_ENV}
     # Short and directly under /tmp: Ray's AF_UNIX socket paths live below it, and a socket path
     # over 107 bytes fails (pytest's per-worker base temp, ".../popen-gw1/...", is too deep).
