@@ -174,19 +174,7 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
             return super().connect(context)
         except (ConnectionError, RuntimeError) as error:
             if refused_for_its_token(error):
-                auth_mode = os.environ.get("RAY_AUTH_MODE")
-                if auth_mode == "token":
-                    sent = "it has RAY_AUTH_MODE=token, but its token is missing or not the cluster's"
-                else:
-                    mode = "not set" if auth_mode is None else repr(auth_mode)
-                    sent = f"RAY_AUTH_MODE is {mode} here: it sent no token"
-                raise RayClusterUnreachable(
-                    f"Ray cluster at {self.address} (TESSERA_RAY_ADDRESS or ray_cluster.address) uses token "
-                    f"authentication (Ray 2.60's `ray start --head` turns it on) and refused this process ({sent}). "
-                    "Set RAY_AUTH_MODE=token for this process, with the cluster's token in ~/.ray/auth_token "
-                    "(where `ray start` keeps it), in a file named by RAY_AUTH_TOKEN_PATH, or in RAY_AUTH_TOKEN; "
-                    "every node needs the same"
-                ) from error
+                raise RayClusterUnreachable(_token_refusal(self.address)) from error
             raise
 
     @property
@@ -279,6 +267,18 @@ def refused_for_its_token(error: BaseException) -> bool:
             return True
         cause = cause.__cause__ or cause.__context__
     return False
+
+
+def _token_refusal(address: str) -> str:
+    auth_mode = os.environ.get("RAY_AUTH_MODE")
+    if auth_mode == "token":
+        sent = "it has RAY_AUTH_MODE=token, but its token is missing or not the cluster's"
+    else:
+        sent = f"RAY_AUTH_MODE is {'not set' if auth_mode is None else repr(auth_mode)} here: it sent no token"
+    return (f"Ray cluster at {address} (TESSERA_RAY_ADDRESS or ray_cluster.address) uses token authentication "
+            f"(Ray 2.60's `ray start --head` turns it on) and refused this process ({sent}). Set RAY_AUTH_MODE=token "
+            "for this process, with the cluster's token in ~/.ray/auth_token (where `ray start` keeps it), in a file "
+            "named by RAY_AUTH_TOKEN_PATH, or in RAY_AUTH_TOKEN; every node needs the same")
 
 
 def wait_until_reachable(address: str, timeout_s: float) -> None:

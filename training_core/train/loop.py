@@ -330,9 +330,10 @@ def _resume(
     earlier_starts = _on_every_rank(group_starts, engine.device) - 1 if inputs.run_directory else 0
     checkpoint = _latest_checkpoint(inputs)
     if checkpoint is None:
-        if earlier_starts > 0:
-            log.warning("rank %d: no checkpoint yet, training from step 0 (restart %d)", rank, earlier_starts)
-        return TrainingProgress(restarts=restarts_on_resume(None, earlier_starts)), None, None
+        progress = TrainingProgress(restarts=restarts_on_resume(None, earlier_starts))
+        if progress.restarts:
+            log.warning("rank %d: no checkpoint yet, training from step 0 (restart %d)", rank, progress.restarts)
+        return progress, None, None
     with _checkpoint_directory(checkpoint) as directory:
         # The driver checked the checkpoint it expected Ray to hand over; this is the one it did.
         refuse_changed_settings(inputs.run_directory or directory.parent, directory.name, load_progress(directory),
