@@ -221,10 +221,42 @@ def test_files_inside_hidden_or_underscore_folders_are_not_source_data(tmp_path)
     good = json.dumps({"prompt": "p", "response": "r"}) + "\n"
     (tmp_path / "day").mkdir()
     (tmp_path / "day" / "a.jsonl").write_text(good)
-    for partial in (".staging-host-1-abc/records.jsonl", "_temporary/0/part-0.jsonl"):
+    for partial in (".staging-host-1-abc/records.jsonl", "_logs/0/part-0.jsonl", ".staging-2/_temporary/part-0.jsonl"):
         (tmp_path / "day" / partial).parent.mkdir(parents=True)
         (tmp_path / "day" / partial).write_text(good * 3 + '{"prompt": "cut off')
+    (tmp_path / "day" / "sub" / "_temporary" / "0").mkdir(parents=True)  # a committed export may leave it, empty
     assert read_records(tmp_path / "day") == [{"prompt": "p", "response": "r"}]
+
+
+def test_an_export_still_being_written_is_refused_naming_its_temporary_folder(tmp_path):
+    """Spark writes each task's part files below `_temporary/` and moves them out on commit: a day
+    read before then would train on the parts committed so far."""
+    day = tmp_path / "exports" / "2026-11-05"
+    (day / "part-00000.jsonl").parent.mkdir(parents=True)
+    (day / "part-00000.jsonl").write_text(_jsonl("a"))
+    attempt = day / "sub" / "_temporary" / "0" / "_temporary" / "attempt_0001_m_000001_1"
+    attempt.mkdir(parents=True)
+    (attempt / "part-00001.jsonl").write_text(_jsonl("b", "c"))
+    (attempt.parent.parent / "task_0001_m_000000").mkdir()
+    (attempt.parent.parent / "task_0001_m_000000" / "part-00002.jsonl").write_text(_jsonl("d"))
+    refusal = (rf"^{day}/sub/_temporary holds 2 file\(s\): an export still being written .*"
+               r"Wait for the export to commit, or remove _temporary if the job writing it is gone$")
+    with pytest.raises(SourceDataError, match=refusal):
+        read_records(day)
+    with pytest.raises(SourceDataError, match=refusal.replace("^", "^file://", 1)):
+        read_records(f"file://{day}")
+
+    memory = fsspec.filesystem("memory")
+    uri = f"memory://tessera-{tmp_path.name}/exports/2026-11-05"
+    try:
+        memory.pipe(f"{uri}/part-00000.jsonl", _jsonl("a").encode())
+        memory.pipe(f"{uri}/_temporary/0/_temporary/attempt_1/part-00001.jsonl", _jsonl("b").encode())
+        with pytest.raises(SourceDataError, match=rf"^{uri}/_temporary holds 1 file\(s\): an export still being"):
+            read_records(uri)
+        memory.rm(f"{uri}/_temporary", recursive=True)
+        assert [r["prompt"] for r in read_records(uri)] == ["a"]
+    finally:
+        memory.rm(f"memory://tessera-{tmp_path.name}", recursive=True)
 
 
 def test_records_keep_where_they_came_from_and_an_overlong_one_names_the_users_file(tmp_path, demo_model):

@@ -17,12 +17,14 @@ def is_hidden_or_underscore(relative: str) -> bool:
     return any(part.startswith((".", "_")) for part in PurePosixPath(relative).parts)
 
 
-def walk_local_files(root: str | Path, refuse: Callable[[OSError], Exception]) -> Iterator[str]:
+def walk_local_files(root: str | Path, refuse: Callable[[OSError], Exception],
+                     on_skipped_folder: Callable[[str], None] | None = None) -> Iterator[str]:
     """Paths relative to ``root`` of every entry below it that is not a folder (a link to nothing
     included: callers name it), hidden and underscore names left out, links followed. A folder whose
     real path was walked already (a link to an ancestor, or a second link to one folder) is walked
     once: a loop would never end, and a folder read twice would repeat its rows. A folder that
-    cannot be listed raises ``refuse(error)``: os.walk would skip it without a word."""
+    cannot be listed raises ``refuse(error)``: os.walk would skip it without a word. Each hidden or
+    underscore folder left out is passed to ``on_skipped_folder`` (relative to ``root``)."""
     walked: set[str] = set()
 
     def on_error(error: OSError) -> None:
@@ -35,8 +37,11 @@ def walk_local_files(root: str | Path, refuse: Callable[[OSError], Exception]) -
             subfolders.clear()
             continue
         walked.add(real)
-        subfolders[:] = sorted(name for name in subfolders if not is_hidden_or_underscore(name))  # first link wins
         relative_folder = PurePosixPath(Path(folder).relative_to(root).as_posix())
+        if on_skipped_folder is not None:
+            for name in sorted(name for name in subfolders if is_hidden_or_underscore(name)):
+                on_skipped_folder((relative_folder / name).as_posix())
+        subfolders[:] = sorted(name for name in subfolders if not is_hidden_or_underscore(name))  # first link wins
         yield from ((relative_folder / name).as_posix() for name in names if not is_hidden_or_underscore(name))
 
 

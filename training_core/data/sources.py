@@ -4,7 +4,8 @@ A source is a local file or folder, or an fsspec URI (`s3://bucket/day/`, `gs://
 `memory://…`); a folder is searched recursively. Read: `.jsonl` / `.ndjson` (JSON Lines), `.json`
 (JSON Lines or one array), `.csv` — each also gzip-compressed (`.jsonl.gz`) — and `.parquet`.
 Hidden (`.`) and underscore (`_SUCCESS`, `_temporary/`) names are skipped; any other file in a
-folder is refused by name, so that no part of a day's export is left out without a word. On local
+folder is refused by name, so that no part of a day's export is left out without a word, and so is a
+folder whose `_temporary/` holds files: an export still being written. On local
 disk (a path or `file://`) links are followed, as the Parquet reader follows them: a folder or file
 linked into the export is part of it, a folder reached twice through links is read once, and a link
 to nothing is refused by name.
@@ -54,6 +55,9 @@ TEXT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv")  # each may also end in .
 SUPPORTED_SUFFIXES = (*TEXT_SUFFIXES, ".parquet")
 READ_SUFFIXES = f"{'/'.join(SUPPORTED_SUFFIXES)} (the text ones also gzip-compressed, e.g. .jsonl.gz)"
 SHOWN_REFUSED_FILES = 5
+# Spark's and Hadoop's output committers write each task's files below `_temporary/` and move them out
+# when the job commits; an empty one may be left behind.
+UNCOMMITTED_EXPORT_FOLDER = "_temporary"
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,19 @@ def _chainable(error: Exception) -> Exception | None:
     return error
 
 
+def _refuse_uncommitted_export(shown: str, files_in: dict[str, int]) -> None:
+    """Refuse a source folder where `files_in` (the path of each `_temporary` folder relative to the
+    source, with the number of files below it) is not empty: reading it would train on the files
+    committed so far only."""
+    if held := {folder: count for folder, count in files_in.items() if count}:
+        folders = "; ".join(f"{shown.rstrip('/')}/{folder} holds {count} file(s)" for folder, count in held.items())
+        raise SourceDataError(
+            f"{folders}: an export still being written (its job moves them out of {UNCOMMITTED_EXPORT_FOLDER}/ "
+            f"when it commits), so {shown} holds part of its records only. Wait for the export to commit, "
+            f"or remove {UNCOMMITTED_EXPORT_FOLDER} if the job writing it is gone"
+        )
+
+
 def _list_local(path: Path, shown_as: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
     """(is a folder, [(path relative to `path`, file)] sorted); hidden and underscore names left out.
     Messages and origins show the files below `shown_as`, the source as the user wrote it."""
@@ -119,7 +136,17 @@ def _list_local(path: Path, shown_as: str) -> tuple[bool, list[tuple[str, Source
     def refuse(error: OSError) -> SourceDataError:
         return SourceDataError(f"{error.filename}: cannot be listed ({_cause(error)})")
 
-    for relative in sorted(walk_local_files(path, refuse), key=lambda r: PurePosixPath(r).parts):
+    def raise_refusal(error: OSError) -> None:
+        raise refuse(error) from error
+
+    uncommitted: dict[str, int] = {}
+    def count_uncommitted(relative: str) -> None:
+        if PurePosixPath(relative).name == UNCOMMITTED_EXPORT_FOLDER:
+            uncommitted[relative] = sum(len(names) for _, _, names in os.walk(path / relative, onerror=raise_refusal))
+
+    relatives = sorted(walk_local_files(path, refuse, count_uncommitted), key=lambda r: PurePosixPath(r).parts)
+    _refuse_uncommitted_export(shown_as, uncommitted)
+    for relative in relatives:
         file = path / relative
         shown = f"{shown_as.rstrip('/')}/{relative}"
         if is_link_to_nothing(file):
@@ -153,6 +180,14 @@ def _list_uri(uri: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
     base = root.rstrip("/") + "/"
     relative = sorted((p[len(base):] for p in found if p.startswith(base) and len(p) > len(base)),
                       key=lambda r: PurePosixPath(r).parts)  # parts, as local Paths sort
+    uncommitted: dict[str, int] = {}
+    for r in relative:  # as locally: a _temporary folder that the reader would otherwise skip
+        parts = PurePosixPath(r).parts
+        skipped_at = next((i for i, part in enumerate(parts[:-1]) if is_hidden_or_underscore(part)), None)
+        if skipped_at is not None and parts[skipped_at] == UNCOMMITTED_EXPORT_FOLDER:
+            folder = "/".join(parts[:skipped_at + 1])
+            uncommitted[folder] = uncommitted.get(folder, 0) + 1
+    _refuse_uncommitted_export(shown, uncommitted)
     return True, [(r, SourceFile(f"{shown.rstrip('/')}/{r}", base + r, fs)) for r in relative if not is_hidden_or_underscore(r)]
 
 
