@@ -4,23 +4,35 @@ refused by its first step, naming the day and the valid range, before anything i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import datetime, timezone
 
 import dagster as dg
 import pytest
 
-TODAY_UTC = datetime.now(timezone.utc).date().isoformat()  # not ended yet: no partition
+TODAY = "today"  # the pinned day, which has not ended: no partition
+
+
+@pytest.fixture
+def today_utc() -> Iterator[str]:
+    """Today's UTC day, with Dagster's partitions loaded as of the same instant: a test running across
+    00:00 UTC would otherwise name a day that has ended in the meantime, a partition."""
+    now = datetime.now(timezone.utc)
+    with dg.partition_loading_context(effective_dt=now):
+        yield now.date().isoformat()
 
 
 @pytest.mark.parametrize(("day", "why"), [
-    (TODAY_UTC, "the last is {last} (a day becomes a partition once it has ended, UTC)"),
+    (TODAY, "the last is {last} (a day becomes a partition once it has ended, UTC)"),
     ("2099-01-01", "the last is {last} (a day becomes a partition once it has ended, UTC)"),
     ("2025-10-01", "the first is 2026-11-01"),
 ])
 def test_a_run_tagged_with_a_day_that_is_no_partition_is_refused_before_anything_is_written(
-        tmp_path, monkeypatch, day, why):
+        tmp_path, monkeypatch, today_utc, day, why):
     from assets.partitions import DAILY
     from pipelines.definitions import defs
+
+    day = today_utc if day == TODAY else day
 
     monkeypatch.setenv("TESSERA_HOME", str(tmp_path / "state"))
     job = defs.resolve_job_def("train_and_promote")
@@ -39,7 +51,7 @@ def test_a_run_tagged_with_a_day_that_is_no_partition_is_refused_before_anything
     assert not (tmp_path / "state" / "models").exists()
 
 
-def test_a_partition_day_and_a_range_of_them_pass_and_a_range_ending_today_or_a_malformed_day_is_refused():
+def test_a_partition_day_and_a_range_of_them_pass_and_a_range_ending_today_or_a_malformed_day_is_refused(today_utc):
     from assets.partitions import DAILY, day_that_is_not_a_partition
 
     last = DAILY.get_last_partition_key()
@@ -50,5 +62,5 @@ def test_a_partition_day_and_a_range_of_them_pass_and_a_range_ending_today_or_a_
     assert day_that_is_not_a_partition({"dagster/partition": last}) is None
     in_range = {"dagster/asset_partition_range_start": "2026-11-01", "dagster/asset_partition_range_end": last}
     assert day_that_is_not_a_partition(in_range) is None
-    assert day_that_is_not_a_partition({**in_range, "dagster/asset_partition_range_end": TODAY_UTC}) == (
-        f"day {TODAY_UTC} is not a partition: the last is {last} (a day becomes a partition once it has ended, UTC)")
+    assert day_that_is_not_a_partition({**in_range, "dagster/asset_partition_range_end": today_utc}) == (
+        f"day {today_utc} is not a partition: the last is {last} (a day becomes a partition once it has ended, UTC)")
