@@ -10,7 +10,7 @@ DEMO_PARTITION = "2026-11-01"
 # Training policy: the model for day D trains on the datasets of the last TRAINING_WINDOW_DAYS days
 # (D included) and evaluates on their held-out splits. Days before the first partition are skipped;
 # days inside the window must be materialized. A scheduled run materializes only its own day, so the
-# schedule skips a day whose earlier window days never were (a fresh deployment), naming the backfill.
+# schedule holds back a day whose earlier window days never were, naming the backfill when nothing is ready.
 TRAINING_WINDOW_DAYS = 2
 # `allow_nonexistent_upstream_partitions` (Dagster marks it beta) lets the first day train on
 # itself alone; its warning is silenced here, where we chose it, not repeated in every log.

@@ -1,6 +1,7 @@
 """Jobs and schedules over the asset graph."""
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import dagster as dg
@@ -65,9 +66,14 @@ def _settings_left_on_the_demo(run_config: dict) -> list[str]:
     return left
 
 
-# Daily retraining on the day that just closed, at RETRAIN_HOUR:RETRAIN_MINUTE UTC (the partitions'
-# timezone). Unchanged inputs reuse the earlier training run instead of retraining.
-RETRAIN_HOUR, RETRAIN_MINUTE = 2, 0
+# Retraining, one day at a time. A day's export has landed by EXPORT_LANDED_HOUR:00 UTC the day after
+# (the partitions' timezone); from then the schedule ticks every hour, and each tick starts at most one
+# run: the oldest day still to train whose training window is built, among the last CATCH_UP_DAYS closed
+# days from the first one trained or tried. A tick that cannot start it (an earlier day's run still going, a run longer than a day, the
+# daemon down over a tick) loses nothing: a later tick starts it. Unchanged inputs reuse the earlier
+# training run instead of retraining.
+EXPORT_LANDED_HOUR = 2
+CATCH_UP_DAYS = 7
 
 
 def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefinition:
@@ -76,27 +82,61 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
     unset = "the embedded demo defaults" if embedded_defaults_allowed else "each tick fails, naming it"
 
     @dg.schedule(
-        job=demo_job, name="daily_retrain", cron_schedule=f"{RETRAIN_MINUTE} {RETRAIN_HOUR} * * *",
+        job=demo_job, name="daily_retrain", cron_schedule=f"0 {EXPORT_LANDED_HOUR}-23 * * *",
         execution_timezone="UTC",
-        description=f"retrain on yesterday's partition every day at 02:00 UTC, with the run config in "
-                    f"${RUN_CONFIG_ENV} (unset: {unset})",
+        description=f"hourly from {EXPORT_LANDED_HOUR:02}:00 UTC, train the oldest of the last {CATCH_UP_DAYS} "
+                    f"closed days not yet trained (or tried) whose training window is built (none was: the last one only), "
+                    f"with the run config "
+                    f"in ${RUN_CONFIG_ENV} (unset: {unset})",
     )
     def daily_retrain_schedule(context: dg.ScheduleEvaluationContext):
-        closed_days = DAILY.get_partition_keys(current_time=context.scheduled_execution_time)
+        # The tick's own time, never the clock: the daemon evaluates missed ticks late, when it catches up.
+        landed_by = context.scheduled_execution_time - timedelta(hours=EXPORT_LANDED_HOUR)
+        closed_days = DAILY.get_partition_keys(current_time=landed_by)
         if not closed_days:
             return dg.SkipReason("no day has closed since the first partition")
-        day = closed_days[-1]
         # A bad or missing file fails the tick, naming it, before any run starts.
         run_config = scheduled_run_config(embedded_defaults_allowed)
         run_config_file = os.environ[RUN_CONFIG_ENV].strip() if run_config else None
-        # The run materializes its own day only; lora_adapter also reads the window's earlier days.
-        if skip := _skip_unless_window_materialized(context.instance, day, closed_days[-TRAINING_WINDOW_DAYS:-1],
-                                                    run_config_file):
-            return skip
-        tags = {"tessera/run_config": run_config_file} if run_config_file else {}
-        return dg.RunRequest(run_key=day, partition_key=day, run_config=run_config, tags=tags)
+        # The recent days not trained or tried since the first one that was; where none was (a fresh
+        # deployment, a longer pause), the day that just closed only: earlier days may never be meant to train.
+        recent = closed_days[-CATCH_UP_DAYS:]
+        tried = [_trained_or_tried(context.instance, day) for day in recent]
+        since = tried.index(True) if True in tried else len(recent) - 1
+        candidates = [day for day, done in zip(recent[since:], tried[since:]) if not done]
+        if not candidates:
+            return dg.SkipReason(
+                f"nothing to start: each closed day from {recent[since]} to {recent[-1]} has lora_adapter materialized "
+                f"or a run of {demo_job.name} (a day whose run failed is not retried: relaunch it by hand)")
+        oldest_blocked = None
+        for day in candidates:
+            # The run materializes its own day only; lora_adapter also reads the window's earlier days.
+            position = closed_days.index(day)
+            earlier_days = closed_days[max(0, position - TRAINING_WINDOW_DAYS + 1):position]
+            blocked = _why_not_ready(context.instance, day, earlier_days, run_config_file)
+            if blocked is None:
+                if oldest_blocked:
+                    context.log.info(f"starting {demo_job.name} for {day}; older days wait: {oldest_blocked}")
+                tags = {"tessera/run_config": run_config_file} if run_config_file else {}
+                return dg.RunRequest(run_key=day, partition_key=day, run_config=run_config, tags=tags)
+            # The oldest blocked day's window days are no candidates, so its reason says what to do.
+            oldest_blocked = oldest_blocked or blocked
+        waiting = f". Days after it wait their turn: {', '.join(candidates[1:])}" if len(candidates) > 1 else ""
+        return dg.SkipReason(oldest_blocked + waiting)
 
     return daily_retrain_schedule
+
+
+def _materialized(instance: dg.DagsterInstance, asset: str, day: str) -> bool:
+    return bool(instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[day]), limit=1).records)
+
+
+def _trained_or_tried(instance: dg.DagsterInstance, day: str) -> bool:
+    """Whether `day` has a lora_adapter, or ever had a run of the job, whatever its status: a failed day
+    is relaunched by an operator, since failing again every hour would loop."""
+    return _materialized(instance, "lora_adapter", day) or bool(instance.get_runs(
+        filters=dg.RunsFilter(job_name=demo_job.name, tags={"dagster/partition": day}), limit=1))
 
 
 def _runs_in_progress(instance: dg.DagsterInstance, days: list[str]) -> dict[str, str]:
@@ -115,29 +155,32 @@ def _runs_in_progress(instance: dg.DagsterInstance, days: list[str]) -> dict[str
 WINDOW_DAY_ASSETS = ("raw_examples", "training_dataset", "row_group_cache")
 
 
-def _skip_unless_window_materialized(instance: dg.DagsterInstance, day: str, earlier_days: list[str],
-                                     run_config_file: str | None) -> dg.SkipReason | None:
-    """A SkipReason naming the backfill to launch when an earlier day of `day`'s training window never
-    had row_group_cache materialized (a fresh deployment, a day whose run failed): lora_adapter would
-    fail on it after every step before had run."""
-    missing = [earlier for earlier in earlier_days if not instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey("row_group_cache"), asset_partitions=[earlier]), limit=1).records]
+def _why_not_ready(instance: dg.DagsterInstance, day: str, earlier_days: list[str],
+                   run_config_file: str | None) -> str | None:
+    """Why a run for `day` cannot start now, or None. Another run of the day itself (a backfill of its
+    data) would write the same partitions at once. An earlier day of its training window that never had
+    row_group_cache materialized (a fresh deployment, a day whose run failed) would fail lora_adapter
+    after every step before had run: the reason names the backfill to launch."""
+    if own := _runs_in_progress(instance, [day]):
+        return (f"not starting {demo_job.name} for {day}: run {own[day]} of that day is still queued or running; "
+                f"a later tick reconsiders {day} once it has ended")
+    missing = [earlier for earlier in earlier_days if not _materialized(instance, "row_group_cache", earlier)]
     if not missing:
         return None
     if building := _runs_in_progress(instance, missing):  # a day's run queued or running: not a backfill to launch
-        return dg.SkipReason(
-            f"not starting train_and_promote for {day}: its training window also reads "
+        return (
+            f"not starting {demo_job.name} for {day}: its training window also reads "
             f"{', '.join(sorted(building))}, whose row_group_cache run{'s are' if len(building) > 1 else ' is'} still "
-            f"queued or running ({', '.join(f'{d}: run {building[d]}' for d in sorted(building))}); launch "
-            f"train_and_promote for {day} once {'they have' if len(building) > 1 else 'it has'} succeeded"
+            f"queued or running ({', '.join(f'{d}: run {building[d]}' for d in sorted(building))}); a later tick "
+            f"starts {demo_job.name} for {day} once {'they have' if len(building) > 1 else 'it has'} succeeded"
         )
     # The backfill's training_dataset reads base_model: include it where no run has built it yet.
     selection = ([] if instance.fetch_materializations(dg.AssetKey("base_model"), limit=1).records
                  else ["base_model"]) + list(WINDOW_DAY_ASSETS)
     with_config = f" with the run config in {run_config_file}" if run_config_file else ""
-    return dg.SkipReason(
-        f"not starting train_and_promote for {day}: its training window also reads {', '.join(missing)}, where "
+    return (
+        f"not starting {demo_job.name} for {day}: its training window also reads {', '.join(missing)}, where "
         f"row_group_cache was never materialized, so lora_adapter would fail. Backfill assets {','.join(selection)} "
-        f"for partition{'s' if len(missing) > 1 else ''} {', '.join(missing)}{with_config}, then launch "
-        f"train_and_promote for {day}"
+        f"for partition{'s' if len(missing) > 1 else ''} {', '.join(missing)}{with_config}; a later tick then "
+        f"starts {demo_job.name} for {day}"
     )

@@ -86,25 +86,31 @@ def _tick(instance: dg.DagsterInstance, day_after: int):
         return schedule.evaluate_tick(context)
 
 
+def _failed_before_its_cache(instance: dg.DagsterInstance, day: str) -> None:
+    """A run of the day that failed before row_group_cache: the schedule does not retry it."""
+    instance.report_run_failed(instance.create_run_for_job(JOB, tags={"dagster/partition": day}))
+
+
 def test_the_schedule_skips_a_day_whose_window_holds_a_day_never_materialized(monkeypatch):
     monkeypatch.delenv("TESSERA_RUN_CONFIG", raising=False)
     with dg.instance_for_test() as instance:
         # The first day's window is that day alone: nothing earlier to wait for.
         (first,) = _tick(instance, 2).run_requests
         assert first.partition_key == "2026-11-01"
-        # A fresh deployment: the schedule is turned on after 2026-11-01, which no run materialized.
+        _failed_before_its_cache(instance, "2026-11-01")
         assert _tick(instance, 3).skip_message == (
             "not starting train_and_promote for 2026-11-02: its training window also reads 2026-11-01, where "
             "row_group_cache was never materialized, so lora_adapter would fail. Backfill assets "
-            "base_model,raw_examples,training_dataset,row_group_cache for partition 2026-11-01, then launch "
-            "train_and_promote for 2026-11-02")
+            "base_model,raw_examples,training_dataset,row_group_cache for partition 2026-11-01; a later tick then "
+            "starts train_and_promote for 2026-11-02")
         instance.report_runless_asset_event(dg.AssetMaterialization("row_group_cache", partition="2026-11-01"))
         (request,) = _tick(instance, 3).run_requests
         assert request.partition_key == "2026-11-02"
+        _failed_before_its_cache(instance, "2026-11-02")
         # base_model built once: the backfill needs the window assets only
         instance.report_runless_asset_event(dg.AssetMaterialization("base_model"))
-        assert "Backfill assets raw_examples,training_dataset,row_group_cache for partition 2026-11-02, then " \
-               "launch train_and_promote for 2026-11-03" in _tick(instance, 4).skip_message
+        assert "Backfill assets raw_examples,training_dataset,row_group_cache for partition 2026-11-02; a later " \
+               "tick then starts train_and_promote for 2026-11-03" in _tick(instance, 4).skip_message
 
 
 def test_the_schedule_waits_for_an_earlier_days_run_that_is_still_going_instead_of_asking_for_a_backfill():
@@ -113,8 +119,8 @@ def test_the_schedule_waits_for_an_earlier_days_run_that_is_still_going_instead_
                                               status=dg.DagsterRunStatus.STARTED)
         assert _tick(instance, 3).skip_message == (
             "not starting train_and_promote for 2026-11-02: its training window also reads 2026-11-01, whose "
-            f"row_group_cache run is still queued or running (2026-11-01: run {running.run_id}); launch "
-            "train_and_promote for 2026-11-02 once it has succeeded")
+            f"row_group_cache run is still queued or running (2026-11-01: run {running.run_id}); a later tick "
+            "starts train_and_promote for 2026-11-02 once it has succeeded")
         instance.report_run_failed(running)  # a failed run builds nothing: the backfill is named again
         assert "Backfill assets" in _tick(instance, 3).skip_message
 
@@ -124,5 +130,6 @@ def test_the_skipped_ticks_backfill_names_the_schedules_run_config(tmp_path, mon
     run_config.write_text("ops:\n  raw_examples:\n    config:\n      source: /data/exports/{partition}.jsonl\n")
     monkeypatch.setenv("TESSERA_RUN_CONFIG", str(run_config))
     with dg.instance_for_test() as instance:
-        assert f"for partition 2026-11-01 with the run config in {run_config}, then launch" in _tick(
+        _failed_before_its_cache(instance, "2026-11-01")
+        assert f"for partition 2026-11-01 with the run config in {run_config}; a later tick then starts" in _tick(
             instance, 3).skip_message

@@ -19,9 +19,9 @@ from training_core.errors import ConfigError
 
 def _tick(when: datetime):
     schedule = defs.resolve_schedule_def("daily_retrain")
-    with dg.instance_for_test() as instance:  # the earlier day of each window was materialized
-        instance.report_runless_asset_event(dg.AssetMaterialization("row_group_cache", partition="2026-11-01"))
-        instance.report_runless_asset_event(dg.AssetMaterialization("row_group_cache", partition="2026-11-02"))
+    with dg.instance_for_test() as instance:  # 2026-11-01 was trained, so 2026-11-02 is the day to train
+        for asset in ("row_group_cache", "lora_adapter"):
+            instance.report_runless_asset_event(dg.AssetMaterialization(asset, partition="2026-11-01"))
         # The inner `with` disposes of the context's weak reference to the instance before it closes.
         with dg.build_schedule_context(instance=instance, scheduled_execution_time=when,
                                        repository_def=defs.get_repository_def()) as context:
