@@ -76,3 +76,15 @@ def test_a_tag_the_store_refuses_does_not_hide_the_error(monkeypatch, demo_model
         _train(tracking, demo_model, demo_dataset, tmp_path)
     run = _only_run(tracking)
     assert run.info.status == "FAILED" and FAILURE_TAG not in run.data.tags
+
+
+def test_a_run_stopped_from_the_ui_ends_failed_with_why(monkeypatch, demo_model, demo_dataset, tmp_path):
+    """Dagster's Terminate raises a BaseException in the step: the MLflow run must not stay RUNNING."""
+    from dagster._core.errors import DagsterExecutionInterruptedError
+
+    _fail_in_training(monkeypatch, DagsterExecutionInterruptedError())
+    tracking = _tracking(tmp_path)
+    with pytest.raises(DagsterExecutionInterruptedError):
+        _train(tracking, demo_model, demo_dataset, tmp_path)
+    run = _only_run(tracking)
+    assert run.info.status == "FAILED" and run.data.tags[FAILURE_TAG] == "DagsterExecutionInterruptedError"

@@ -68,3 +68,40 @@ def test_a_real_ray_gcs_address_passes_the_check(ray_session):
     host, _, port = gcs_address.rpartition(":")
     assert http1_status_line(host, int(port)) is None
     wait_until_reachable(gcs_address, timeout_s=5)
+
+
+@pytest.mark.parametrize(("mode", "says"), [(None, "RAY_AUTH_MODE is not set here: it sent no token"),
+                                            ("token", "it has RAY_AUTH_MODE=token, but its token is missing"),
+                                            ("disabled", "RAY_AUTH_MODE is 'disabled' here: it sent no token")])
+def test_the_token_refusal_says_what_this_process_sent(monkeypatch, mode, says):
+    from resources.ray_cluster import _token_refusal
+
+    if mode is None:
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    else:
+        monkeypatch.setenv("RAY_AUTH_MODE", mode)
+    assert says in _token_refusal("10.0.0.1:6379")
+
+
+def _connection_error_from(inner: Exception, *, explicit: bool) -> ConnectionError:
+    """Ray's ConnectionError naming only the address, raised from (or during) the error behind it."""
+    try:
+        try:
+            raise inner
+        except Exception as error:
+            if explicit:
+                raise ConnectionError("Failed to connect to Ray cluster at h:1") from error
+            raise ConnectionError("Failed to connect to Ray cluster at h:1")  # noqa: B904 - Ray's own shape
+    except ConnectionError as outer:
+        return outer
+
+
+def test_a_token_refusal_is_recognised_as_an_exception_or_as_text_anywhere_in_the_chain():
+    from ray.exceptions import AuthenticationError
+
+    from resources.ray_cluster import refused_for_its_token
+
+    assert refused_for_its_token(_connection_error_from(RuntimeError("RPC error: InvalidAuthToken: missing"),
+                                                        explicit=True))
+    assert refused_for_its_token(_connection_error_from(AuthenticationError("bad token"), explicit=False))
+    assert not refused_for_its_token(_connection_error_from(RuntimeError("GCS not ready"), explicit=True))

@@ -138,3 +138,12 @@ def test_metrics_that_differ_are_shown_with_every_digit():
     assert lines["train_loss"] == ["1.23457", "1.23457", "yes"]
     assert lines["train_loss curve"] == ["step 7: 1.25", "step 7: 1.2500000001", "NO"]
     assert lines["eval_exact_match"] == ["—", "1", "not recorded"]
+
+
+def test_a_loss_curve_shows_its_first_differing_step_or_each_runs_length():
+    from training_core.reproduce import _curve_cells
+
+    original = [(1, 2.0), (2, 1.5), (3, 1.25)]
+    assert _curve_cells(original, [(1, 2.0), (2, 1.5000001), (3, 1.25)]) == ("step 2: 1.5", "step 2: 1.5000001")
+    assert _curve_cells(original, original[:2]) == ("3 steps", "2 steps")  # a reproduction that stopped early
+    assert _curve_cells(original[:2], original) == ("2 steps", "3 steps")
