@@ -14,21 +14,45 @@ from collections.abc import Callable
 import dagster as dg
 from pydantic import ValidationError
 
-from assets.partitions import day_that_is_not_a_partition
+from assets.partitions import DAILY, PARTITION_TAGS, day_that_is_not_a_partition
 from training_core.errors import ConfigError
 
 
 def refuse_invalid_run_config(context: dg.AssetExecutionContext) -> None:
-    """Raise a dg.Failure naming a day the run was launched for that is no partition, else every
-    invalid asset setting of this run; call first in each asset."""
+    """Raise a dg.Failure naming the daily assets of a run launched for no day, or a day the run was
+    launched for that is no partition, else every invalid asset setting of this run; call first in each asset."""
     try:
         job_def, run_config = context.job_def, context.run.run_config
     except dg.DagsterError:  # invoked directly (`asset(build_asset_context(), ...)`): no run, no other assets
         return
+    if no_day := daily_assets_run_for_no_day(job_def, context.run.tags):
+        raise dg.Failure(f"run refused before this step did any work: {no_day}")
     if not_a_partition := day_that_is_not_a_partition(context.run.tags):
         raise dg.Failure(f"run refused before this step did any work: {not_a_partition}")
     if problems := run_config_problems(job_def, run_config):
         raise dg.Failure(f"invalid run config, refused before this step did any work: {'; '.join(problems)}")
+
+
+def daily_assets_run_for_no_day(job_def: dg.JobDefinition, run_tags: dict[str, str]) -> str | None:
+    """Why a run with daily assets but no partition tag is refused, or None. Launched so (the Launchpad
+    with no day picked, `dagster job execute -j train_and_promote` without --tags), each daily asset failed
+    on Dagster's "Cannot access partition_key for a non-partitioned run", after the unpartitioned
+    base_model was written. Every step of the run refuses it, base_model's too; a daily asset whose
+    upstream is daily fails in Dagster's input loading before its step runs any of our code."""
+    if any(tag in run_tags for tag in PARTITION_TAGS):
+        return None
+    asset_layer = job_def.asset_layer
+    daily = [key.to_user_string() for key in asset_layer.asset_graph.toposorted_asset_keys
+             if key in asset_layer.selected_asset_keys and asset_layer.get(key).partitions_def is not None]
+    if not daily:  # base_model alone
+        return None
+    # Dagster names a run of assets picked in the UI or by `dagster asset materialize` __ASSET_JOB.
+    launch = f"launch {job_def.name}" if not job_def.name.startswith("__") else f"materialize {', '.join(daily)}"
+    day = DAILY.get_last_partition_key() or DAILY.get_first_partition_key()
+    return (f"{', '.join(daily)} {'is' if len(daily) == 1 else 'are'} partitioned by day and this run names no day: "
+            f"{launch} for one day (the last partition is {day}; pick it in the Launchpad, or pass "
+            f"`--partition {day}` to `dagster asset materialize`, `--tags '{{\"dagster/partition\": \"{day}\"}}'` "
+            "to `dagster job execute`), or launch a backfill over a range of days")
 
 
 def run_config_problems(job_def: dg.JobDefinition, run_config: dict) -> list[str]:

@@ -11,6 +11,7 @@ import os
 import uuid
 
 import dagster as dg
+from dagster._check import CheckError
 from dagster._core.storage.fs_io_manager import PickledObjectFilesystemIOManager
 from dagster._core.storage.tags import PARTITION_NAME_TAG
 
@@ -37,7 +38,8 @@ class AtomicPickleIOManager(PickledObjectFilesystemIOManager):
         try:
             value = super()._load_partition_from_path(context, partition_key, path, backcompat_path)
         except FileNotFoundError as error:  # a day inside a training window was never materialized
-            raise FileNotFoundError(_never_materialized(context, f"partition {partition_key}", path)) from error
+            never_built = _never_materialized(context, f"partition {partition_key}", path, partition_key)
+            raise FileNotFoundError(never_built) from error
         except (AttributeError, ImportError) as error:  # pickled class renamed or moved since
             raise StaleValueError(_stale(context, f"partition {partition_key}", path, str(error))) from error
         return _current(context, value, f"partition {partition_key}", path)
@@ -85,12 +87,39 @@ def _stale(context: dg.InputContext, which: str, path, detail: str) -> str:
             f"Tessera ({detail}); materialize {what} again")
 
 
-def _never_materialized(context: dg.InputContext, which: str, path) -> str:
+def _never_materialized(context: dg.InputContext, which: str, path, day: str | None = None) -> str:
     upstream = context.asset_key.to_user_string() if context.has_asset_key else context.upstream_output.name
     what = f"{upstream} {which}".strip()
+    if day:
+        assets = ", ".join(_daily_assets_this_step_reads_for(context, day) or [upstream])
+        fix = f"materialize {assets} for partition {day} first (a backfill of those assets over that day)"
+    else:
+        fix = f"materialize {what} first"
     return (f"input {context.name!r} needs {what}, which has not been materialized here (no stored value "
-            f"at {path}); materialize {what} first (a backfill over the window's days does it)"
-            + _added_by_an_asset_backfill(context, which))
+            f"at {path}); {fix}" + _added_by_an_asset_backfill(context, which))
+
+
+def _daily_assets_this_step_reads_for(context: dg.InputContext, day: str) -> list[str]:
+    """The daily assets this step reads for `day` and those they are built from (row_group_cache from
+    training_dataset from raw_examples), in the order they are built: none may exist for a day outside
+    every backfill so far, and naming only the input that failed first leaves the next one to fail."""
+    try:
+        step = context.step_context
+    except dg.DagsterInvariantViolationError:  # a context built outside a run
+        return []
+    asset_layer = step.job_def.asset_layer
+    try:  # the run's job holds the assets its selection left out as stubs, without their partitions
+        graph = step.repository_def.asset_graph
+    except CheckError:  # a job executed outside a code location (materialize, execute_in_process): its parents only
+        graph = asset_layer.asset_graph
+    read: set[dg.AssetKey] = set()
+    for step_input in step.step.step_inputs:
+        upstream = asset_layer.get_asset_key_for_node_input(step.node_handle, step_input.name)
+        if (upstream is not None and step.has_asset_partitions_for_input(step_input.name)
+                and day in step.asset_partitions_subset_for_input(step_input.name).get_partition_keys()):
+            read |= graph.get_ancestor_asset_keys(upstream, include_self=True)
+    return [key.to_user_string() for key in graph.toposorted_asset_keys
+            if key in read and graph.get(key).partitions_def is not None]
 
 
 def _added_by_an_asset_backfill(context: dg.InputContext, which: str) -> str:

@@ -320,7 +320,9 @@ def test_a_run_started_outside_tessera_is_tagged_with_its_process_by_its_trainin
     assert instance.get_run_by_id(tagged.run_id).tags[LAUNCHER_TAG] == "launcher:1:2.000"  # the launcher's kept
 
 
-def test_a_window_day_never_materialized_is_named_with_what_to_materialize(tmp_path):
+def _window_hint_definitions() -> dg.Definitions:
+    """daily_rows → daily_cache, read over the training window by `windowed`, which also reads
+    same_day_only for its own day alone; values stored under $WINDOW_HINT_STORAGE."""
     from assets.partitions import DAILY, TRAINING_WINDOW
     from resources.io_manager import AtomicFilesystemIOManager
 
@@ -328,20 +330,46 @@ def test_a_window_day_never_materialized_is_named_with_what_to_materialize(tmp_p
     def daily_rows(context):
         return context.partition_key
 
-    @dg.asset(partitions_def=DAILY, ins={"daily_rows": dg.AssetIn(partition_mapping=TRAINING_WINDOW)})
-    def windowed(daily_rows):
+    @dg.asset(partitions_def=DAILY)
+    def daily_cache(daily_rows):
         return daily_rows
 
-    resources = {"io_manager": AtomicFilesystemIOManager(base_dir=str(tmp_path))}
+    @dg.asset(partitions_def=DAILY)
+    def same_day_only(context):
+        return context.partition_key
+
+    @dg.asset(partitions_def=DAILY, ins={"daily_cache": dg.AssetIn(partition_mapping=TRAINING_WINDOW)})
+    def windowed(daily_cache, same_day_only):
+        return daily_cache
+
+    return dg.Definitions(assets=[daily_rows, daily_cache, same_day_only, windowed], executor=dg.in_process_executor,
+                          resources={"io_manager": AtomicFilesystemIOManager(base_dir=dg.EnvVar("WINDOW_HINT_STORAGE"))})
+
+
+WINDOW_HINT_DEFS = _window_hint_definitions()
+
+
+def test_a_window_day_never_materialized_is_named_with_what_to_materialize(tmp_path, monkeypatch):
+    """The hint names every daily asset the step reads for the missing day and those they are built
+    from, in build order: the first day of a backfill trains on the day before it, which no backfill
+    may have built. Launched as the UI and the CLI launch assets: from the code location."""
+    from dagster._core.definitions.reconstruct import ReconstructableRepository
+
+    monkeypatch.setenv("WINDOW_HINT_STORAGE", str(tmp_path))
+    assets_job = ReconstructableRepository.for_file(__file__, "WINDOW_HINT_DEFS").get_reconstructable_job("__ASSET_JOB")
+    day = {"dagster/partition": "2026-11-03"}
     with dg.instance_for_test() as instance:
-        assert dg.materialize([daily_rows], partition_key="2026-11-03", instance=instance, resources=resources).success
-        with pytest.raises(FileNotFoundError) as raised:  # 2026-11-02 is in the window
-            dg.materialize([daily_rows, windowed], selection=[windowed], partition_key="2026-11-03",
-                           instance=instance, resources=resources)
-    message = str(raised.value)
-    assert message.startswith("input 'daily_rows' needs daily_rows partition 2026-11-02, which has not been "
-                                 "materialized here (no stored value at ")
-    assert message.endswith("materialize daily_rows partition 2026-11-02 first (a backfill over the window's days does it)")
+        with dg.execute_job(assets_job, instance, tags=day,
+                            asset_selection=[dg.AssetKey(key) for key in ("daily_rows", "daily_cache", "same_day_only")]) as built:
+            assert built.success
+        with dg.execute_job(assets_job, instance, tags=day, asset_selection=[dg.AssetKey("windowed")],
+                            raise_on_error=False) as failed:  # 2026-11-02 is in the window
+            (failure,) = failed.get_step_failure_events()
+    message = failure.step_failure_data.error.cause.message.strip()
+    assert message.startswith("FileNotFoundError: input 'daily_cache' needs daily_cache partition 2026-11-02, which "
+                              "has not been materialized here (no stored value at ")
+    assert message.endswith("; materialize daily_rows, daily_cache for partition 2026-11-02 first "
+                            "(a backfill of those assets over that day)")
 
 
 @dataclasses.dataclass(frozen=True)
