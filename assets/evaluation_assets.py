@@ -10,7 +10,7 @@ import dagster as dg
 from dagster_ray import RayResource
 from pydantic import Field, field_validator
 
-from assets.backfills import refuse_day_added_beyond_backfill_range
+from assets.backfills import day_added_to_this_backfill
 from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition, daily_blocking_check
 from assets.training_assets import TrainedModel
@@ -130,7 +130,8 @@ def evaluation(
     """Eval loss, perplexity and exact-match on the training window's held-out prompts: base vs trained vs
     champion. Blocking checks stop promotion when training did not help."""
     refuse_invalid_run_config(context)
-    refuse_day_added_beyond_backfill_range(context)  # its window, like lora_adapter's, pulls in the next day
+    if added := day_added_to_this_backfill(context):  # its window, like lora_adapter's, pulls in the next day
+        raise dg.Failure(added)  # not ending without output, as lora_adapter does: its gates are required outputs
     window = DatasetWindow.from_partitions(by_partition(training_dataset, context, "training_dataset"))
     if lora_adapter.dataset_digest != window.digest:
         raise ValueError(

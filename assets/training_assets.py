@@ -8,7 +8,7 @@ import dagster as dg
 from dagster_ray import RayResource
 from pydantic import Field
 
-from assets.backfills import refuse_day_added_beyond_backfill_range
+from assets.backfills import day_added_to_this_backfill
 from assets.cache_assets import WarmCache
 from assets.data_assets import refuse_days_that_failed_checks
 from assets.launch_checks import refuse_invalid_run_config
@@ -99,6 +99,7 @@ class TrainingRunConfig(dg.Config):
     group_name="training",
     kinds={"ray", "deepspeed"},
     pool="training",
+    output_required=False,  # a day Dagster added to a backfill ends without output (assets/backfills.py)
     ins={"training_dataset": dg.AssetIn(partition_mapping=TRAINING_WINDOW),
          "row_group_cache": dg.AssetIn(partition_mapping=TRAINING_WINDOW)},
 )
@@ -117,7 +118,9 @@ def lora_adapter(
     ending at this partition), reading batches through the warmed row-group cache.
     When dataset, base model, config and code are unchanged since a finished run, that run is reused."""
     refuse_invalid_run_config(context)
-    refuse_day_added_beyond_backfill_range(context)  # a whole-graph asset backfill adds the day after its range
+    if added := day_added_to_this_backfill(context):  # a whole-graph asset backfill adds the day after its range
+        context.log.warning(added)
+        return  # no output: the day's earlier model stands; evaluation and promoted_model are skipped
     record_this_process(context)  # this run holds a training pool slot: a later process can tell if it died
     training_config = config.training_config()
     tracker = mlflow_tracker.client()
@@ -153,7 +156,7 @@ def lora_adapter(
     losses = [loss for _, loss in result.loss_history]
     telemetry = result.telemetry
     lookups = telemetry.get("loader_cache_hits", 0) + telemetry.get("loader_cache_misses", 0)
-    return dg.Output(
+    yield dg.Output(
         TrainedModel(result.model_dir, training_config.method, tracked.mlflow_run_id, base_model.name_or_path,
                      window.digest, losses[-1], base_model_digest=base_model.digest),
         metadata={

@@ -1,10 +1,11 @@
 """An asset backfill over days (the asset graph's "Materialize" with a date range) also targets
 lora_adapter, evaluation and promoted_model of the day after the range: that day's training window
-reads the range's last day. lora_adapter refuses such a day before any work, naming the backfill;
+reads the range's last day. lora_adapter skips such a day before any work, naming the backfill;
 the days asked for train as before. Real Dagster backfills in a test instance; no run of training."""
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 
@@ -83,6 +84,27 @@ def test_a_backfill_starting_at_lora_adapter_adds_no_day_and_trains_every_day_it
         assert day_added_beyond_backfill_range(instance, {}, AFTER_RANGE, defs.resolve_asset_graph()) is None
 
 
+def test_a_backfill_rewarming_the_cache_and_retraining_names_the_added_day_too():
+    """Re-warming the cache of published days and retraining them: Dagster still adds the day after."""
+    with dg.instance_for_test() as instance:
+        backfill = _asset_backfill(instance, "rewarm", ["row_group_cache", "lora_adapter", "evaluation",
+                                                         "promoted_model"])
+        assert _targeted_days(backfill, "lora_adapter") == [*RANGE, AFTER_RANGE]
+        assert _added(instance, "rewarm", AFTER_RANGE) is not None
+        assert [_added(instance, "rewarm", day) for day in RANGE] == [None, None]
+
+
+def test_the_runs_of_a_job_pages_backfill_are_not_judged_as_an_asset_backfills():
+    """The job page's backfill of train_and_promote: one run per requested day, nothing added."""
+    from dagster._core.execution.backfill import BulkActionStatus
+
+    with dg.instance_for_test() as instance:
+        instance.add_backfill(PartitionBackfill(backfill_id="jobpage", status=BulkActionStatus.REQUESTED,
+                                                from_failure=False, tags={}, backfill_timestamp=time.time(),
+                                                partition_names=RANGE))
+        assert _added(instance, "jobpage", RANGE[-1]) is None
+
+
 class _NeverMaterializedInputs(dg.IOManager):
     """Upstream values of a run the training step must refuse before it reads any of them."""
 
@@ -97,8 +119,7 @@ class _NeverMaterializedInputs(dg.IOManager):
         raise AssertionError("lora_adapter stored a value: it trained")
 
 
-@pytest.mark.parametrize("asset", ["lora_adapter", "evaluation"])
-def test_training_and_evaluation_refuse_the_added_day_before_any_work(tmp_path, asset):
+def _materialize_added_day(tmp_path, instance: dg.DagsterInstance, asset: str) -> dg.ExecuteInProcessResult:
     from pipelines.graph import ASSETS
     from pipelines.resources_local import local_resources
     from resources import MlflowTracker, RowGroupCache, TesseraStorage
@@ -106,13 +127,30 @@ def test_training_and_evaluation_refuse_the_added_day_before_any_work(tmp_path, 
     storage = TesseraStorage(home=str(tmp_path))
     resources = {**local_resources(), "storage": storage, "mlflow_tracker": MlflowTracker(storage=storage),
                  "cache": RowGroupCache(storage=storage), "io_manager": _NeverMaterializedInputs()}
+    _asset_backfill(instance, "wholegraph", WHOLE_GRAPH)
+    return dg.materialize(ASSETS, selection=[asset], partition_key=AFTER_RANGE, instance=instance,
+                          resources=resources, tags={"dagster/backfill": "wholegraph"})
+
+
+ADDED_DAY = f"not running {AFTER_RANGE}: Dagster added day {AFTER_RANGE} to backfill wholegraph because"
+
+
+def test_training_ends_without_output_on_the_added_day_before_any_work(tmp_path):
     with dg.instance_for_test() as instance:
-        _asset_backfill(instance, "wholegraph", WHOLE_GRAPH)
-        with pytest.raises(dg.Failure, match=f"^not running {AFTER_RANGE}: Dagster added day {AFTER_RANGE} to "
-                                             "backfill wholegraph because"):
-            dg.materialize(ASSETS, selection=[asset], partition_key=AFTER_RANGE, instance=instance,
-                           resources=resources, tags={"dagster/backfill": "wholegraph"})
+        result = _materialize_added_day(tmp_path, instance, "lora_adapter")
+        warnings = [entry.user_message for entry in instance.all_logs(result.run_id)
+                    if entry.level == logging.WARNING]
+    # No materialization (the day's earlier model stands), the reason a warning in the run.
+    assert result.success and result.get_asset_materialization_events() == []
+    assert any(message.startswith(ADDED_DAY) for message in warnings), warnings
     assert [path.name for path in tmp_path.iterdir()] == []  # no model, Ray run, MLflow store or download
+
+
+def test_evaluation_refuses_the_added_day_before_any_work(tmp_path):
+    """Its gates are outputs the step must give: it fails rather than ending without output."""
+    with dg.instance_for_test() as instance, pytest.raises(dg.Failure, match=f"^{ADDED_DAY}"):
+        _materialize_added_day(tmp_path, instance, "evaluation")
+    assert [path.name for path in tmp_path.iterdir()] == []
 
 
 def test_the_added_day_without_data_fails_loading_it_with_the_backfill_named(tmp_path):
