@@ -27,3 +27,20 @@ def test_weights_gone_inf_or_nan_with_every_loss_finite_are_refused(weights_norm
     with pytest.raises(TrainingDivergedError, match="the trainable weights hold inf or NaN after step 6 "
                                                     r"\(every loss up to it was finite\)"):
         refuse_diverged_training(5, [1.0, 0.9], weights_norm, 6, TrainingConfig())
+
+
+def test_a_step_whose_update_deepspeed_skipped_is_refused_naming_it_and_what_to_lower():
+    config = TrainingConfig(learning_rate=1.0, gradient_clipping=0.0, lora={"alpha": 10**9})
+    with pytest.raises(TrainingDivergedError) as refused:
+        refuse_diverged_training(5, [1.0, 0.9, 0.8], 12.5, 7, config, skipped_steps=[6, 7])
+    assert str(refused.value) == (
+        "training diverged: the gradients of step 6 were inf or NaN, so DeepSpeed skipped its update (2 of steps 5-7 "
+        "skipped, every loss finite); no checkpoint or model is written from it (earlier checkpoints are kept). The "
+        "same settings diverge again: lower learning_rate (now 1), lower lora.alpha (lora_adapter's lora_alpha; now "
+        "1000000000), turn gradient_clipping on (now 0: off; the default is 1), or look for inf/NaN weights in the "
+        "base model")
+
+
+def test_a_non_finite_loss_is_named_before_the_update_it_made_deepspeed_skip():
+    with pytest.raises(TrainingDivergedError, match=r"the training loss was nan at step 6 "):
+        refuse_diverged_training(5, [1.0, math.nan], 12.5, 6, TrainingConfig(), skipped_steps=[6])

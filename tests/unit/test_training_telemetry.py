@@ -319,12 +319,12 @@ def single_process_group(tmp_path):
 
 def test_losses_since_the_last_report_are_appended_with_their_step_numbers(single_process_group):
     progress = TrainingProgress(step=12, loss_history=[(10, 2.0)])
-    pending = [torch.tensor(1.5), torch.tensor(1.25)]
+    pending, skipped = [torch.tensor(1.5), torch.tensor(1.25)], [False, False]
     model, config = torch.nn.Linear(2, 2), TrainingConfig()
-    _append_mean_losses(progress, pending, model, config)
+    _append_mean_losses(progress, pending, skipped, model, config)
     assert progress.loss_history == [(10, 2.0), (11, 1.5), (12, 1.25)]
-    assert pending == []
-    _append_mean_losses(progress, pending, model, config)  # nothing new: nothing appended
+    assert pending == [] and skipped == []
+    _append_mean_losses(progress, pending, skipped, model, config)  # nothing new: nothing appended
     assert len(progress.loss_history) == 3
 
 

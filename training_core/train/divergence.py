@@ -1,9 +1,14 @@
-"""A training run whose loss or weights became inf or NaN: found where the loop already gathers its
-losses (one all-reduce per report), and failed there before a checkpoint or model keeps them."""
+"""A training run whose loss, gradients or weights became inf or NaN: found where the loop already
+gathers its losses (one all-reduce per report), and failed there before a checkpoint or model keeps them.
+
+Gradients that overflow leave loss and weights finite: ZeRO and DeepSpeed's bf16 optimizer then skip
+the update (``engine.was_step_applied()`` is False) and the run would train on without learning. fp16,
+whose loss scaling skips early steps by design, is refused by the config: every skip is an overflow."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -20,18 +25,29 @@ def trainable_weights_norm(model) -> torch.Tensor:
 
 
 def refuse_diverged_training(first_step: int, step_losses: list[float], weights_norm: float, step: int,
-                              config: TrainingConfig) -> None:
-    """A loss or weights that are no longer finite: the run fails (a retry with the same seed and data
-    diverges the same way), naming the first step whose loss was not finite."""
+                              config: TrainingConfig, skipped_steps: Sequence[int] = ()) -> None:
+    """A loss or weights that are no longer finite, or a step whose update DeepSpeed skipped because
+    its gradients were (``skipped_steps``): the run fails (a retry with the same seed and data diverges
+    the same way), naming the first step whose loss was not finite, else the first skipped step (a
+    non-finite loss makes non-finite gradients: the loss is the cause to name)."""
     diverged = next(((first_step + offset, loss) for offset, loss in enumerate(step_losses)
                      if not math.isfinite(loss)), None)
-    if diverged is None and math.isfinite(weights_norm):
+    if diverged is None and not skipped_steps and math.isfinite(weights_norm):
         return
-    what = (f"the training loss was {diverged[1]} at step {diverged[0]} (first seen when the losses of steps "
-            f"{first_step}-{step} were gathered)" if diverged is not None
-            else f"the trainable weights hold inf or NaN after step {step} (every loss up to it was finite)")
+    if diverged is not None:
+        what = (f"the training loss was {diverged[1]} at step {diverged[0]} (first seen when the losses of steps "
+                f"{first_step}-{step} were gathered)")
+    elif skipped_steps:
+        what = (f"the gradients of step {skipped_steps[0]} were inf or NaN, so DeepSpeed skipped its update "
+                f"({len(skipped_steps)} of steps {first_step}-{step} skipped, every loss finite)")
+    else:
+        what = f"the trainable weights hold inf or NaN after step {step} (every loss up to it was finite)"
+    clipping = (f"keep gradient_clipping on (now {config.gradient_clipping:g})" if config.gradient_clipping > 0
+                else "turn gradient_clipping on (now 0: off; the default is 1)")
+    alpha = (f", lower lora.alpha (lora_adapter's lora_alpha; now {config.lora.alpha})" if config.method != "full"
+             else "")
     raise TrainingDivergedError(
         f"training diverged: {what}; no checkpoint or model is written from it (earlier checkpoints are kept). The "
-        f"same settings diverge again: lower learning_rate (now {config.learning_rate:g}), keep gradient_clipping on "
-        f"(now {config.gradient_clipping:g}), or look for inf/NaN weights in the base model"
+        f"same settings diverge again: lower learning_rate (now {config.learning_rate:g}){alpha}, {clipping}, or look "
+        f"for inf/NaN weights in the base model"
     )

@@ -195,6 +195,7 @@ def _run_recipe(inputs: WorkerInputs, group_starts: int | None) -> None:
     timer = StepTimer(synchronize=torch.cuda.synchronize if config.use_gpu else None)
     already_finished = progress.finished
     unreduced_losses: list[torch.Tensor] = []  # this rank's shares of the step losses since the last report
+    skipped_updates: list[bool] = []  # per step since the last report: DeepSpeed skipped its optimizer update
     while progress.step < config.max_steps and not progress.finished:
         # The whole step's micro-batches first: each one's loss is divided by the step's trained tokens.
         with timer.phase("data_wait"):
@@ -217,13 +218,16 @@ def _run_recipe(inputs: WorkerInputs, group_starts: int | None) -> None:
             # the examples' tokens and FLOPs, not the rows': padding and attention across examples are no model work
             timer.add_batch(*model_flops.of_packed_rows(batch["labels"].numpy(), batch["position_ids"].numpy()))
         unreduced_losses.append(step_loss)
+        # The step's last engine.step() was its accumulation boundary. There ZeRO skips the update of
+        # gradients holding inf/NaN, and loss and weights stay finite; a Python bool, no device sync.
+        skipped_updates.append(not engine.was_step_applied())
         progress.step += 1
         progress.epoch = batches.epoch
         timer.steps += 1
         _maybe_inject_fault(inputs, progress.step, rank, world_size)
         if progress.step % config.checkpoint_every_steps == 0 and progress.step < config.max_steps:
             with timer.checkpoint():  # checkpoint_s, not training time: tokens/s must not depend on the interval
-                _append_mean_losses(progress, unreduced_losses, engine.module, config)
+                _append_mean_losses(progress, unreduced_losses, skipped_updates, engine.module, config)
                 _report(engine, rank, progress, batches.state_dict())
 
     if progress.step == 0 and not already_finished:
@@ -242,8 +246,10 @@ def _run_recipe(inputs: WorkerInputs, group_starts: int | None) -> None:
                               **{f"loader_{k}": v for k, v in batches.stats().items()},
                               **startup.durations, "time_to_first_step_s": sum(startup.durations.values()),
                               "cpu_cores_visible": len(os.sched_getaffinity(0)),  # 1 per worker when pinned
+                              # DeepSpeed's count, kept in its checkpoints: 0, as any skip fails the run
+                              "skipped_steps": engine.skipped_steps,
                               "parameters": total_params, "trainable_parameters": trainable_params}
-    _append_mean_losses(progress, unreduced_losses, engine.module, config)
+    _append_mean_losses(progress, unreduced_losses, skipped_updates, engine.module, config)
     progress.finished = True
     if already_finished:  # nothing was trained here: report the finished run's model again
         write_model = functools.partial(_copy_finished_model, resumed_from, rank)
@@ -276,25 +282,32 @@ def pin_to_own_cores(local_rank: int, local_world_size: int, cpus_per_worker: in
     os.sched_setaffinity(0, usable[first : first + cpus_per_worker])
 
 
-def _append_mean_losses(progress: TrainingProgress, losses: list[torch.Tensor], model,
+def _append_mean_losses(progress: TrainingProgress, losses: list[torch.Tensor], skipped_updates: list[bool], model,
                         config: TrainingConfig) -> None:
     """Append the steps since the last report to the loss curve. Each rank holds its share of a
     step's loss (its tokens' summed loss over the step's token count): summed over ranks, that is the
     step's per-token mean, the same on every rank. One all-reduce per report instead of one per
     step: a collective costs a rendezvous of all ranks, about a millisecond on CPU with gloo.
 
-    The same all-reduce sums the norms of every rank's trainable weights, so a run whose loss or
-    weights became inf or NaN fails here, on every rank at once, before the checkpoint or final model
-    that would keep them."""
+    The same all-reduce sums the norms of every rank's trainable weights and the steps whose update
+    DeepSpeed skipped (gradients inf or NaN), so a run whose loss, gradients or weights became inf or
+    NaN fails here, on every rank at once, before the checkpoint or final model that would keep them.
+    (ZeRO all-reduces the gradient norm it skips on, so every rank skips the same steps; summed here,
+    a skip on any rank fails them all even so.)"""
     if not losses:
         return
-    gathered = torch.stack([*losses, trainable_weights_norm(model).to(losses[0].device)])
+    device = losses[0].device
+    gathered = torch.cat([torch.stack(losses), torch.tensor(skipped_updates, dtype=torch.float32, device=device),
+                          trainable_weights_norm(model).to(device).reshape(1)])
     torch.distributed.all_reduce(gathered, op=torch.distributed.ReduceOp.SUM)
-    *step_losses, weights_norm = gathered.tolist()
+    values = gathered.tolist()
+    step_losses, skip_counts, weights_norm = values[:len(losses)], values[len(losses):-1], values[-1]
     first_step = progress.step - len(losses) + 1
-    refuse_diverged_training(first_step, step_losses, weights_norm, progress.step, config)
+    skipped_steps = [first_step + offset for offset, count in enumerate(skip_counts) if count > 0]
+    refuse_diverged_training(first_step, step_losses, weights_norm, progress.step, config, skipped_steps)
     progress.loss_history.extend((first_step + offset, value) for offset, value in enumerate(step_losses))
     losses.clear()
+    skipped_updates.clear()
 
 
 def _latest_checkpoint(inputs: WorkerInputs) -> Checkpoint | Path | None:
