@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -24,6 +25,7 @@ from resources.ray_cluster import (
 from training_core.data.window import eval_records
 from training_core.errors import ConfigError, LineageError, TesseraError
 from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
+from training_core.process_identity import process_is_gone, this_process
 from training_core.redaction import redact_uri
 from training_core.reproduce import compare_runs, lineage_drift, load_recorded_run
 from training_core.runs import run_tracked_training
@@ -31,6 +33,10 @@ from training_core.tracking import MlflowTracking
 
 # The long-lived RayCluster of deploy/kuberay/raycluster.yaml (tessera-ray in namespace tessera), by Ray Client.
 KUBERAY_CLIENT_ADDRESS = "ray://tessera-ray-head-svc.tessera.svc.cluster.local:10001"
+# Beside a reproduction's Ray run folder(s) `*-reproduce-<id>` in the Ray storage: `.reproduce-<id>.process`,
+# holding `this_process()` of the `tessera reproduce` that trains it (written before training creates them).
+REPRODUCTION_PROCESS_FILE = ".{suffix}.process"
+_REPRODUCTION_PROCESS_FILE_NAME = re.compile(r"\.(reproduce-[0-9a-f]{8})\.process")
 
 
 def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None) -> int:
@@ -93,6 +99,12 @@ def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None
     inputs = dataclasses.replace(recorded.inputs, cache_size_limit_bytes=cache.size_limit_bytes,
                                  cache_policy=cache.policy)
     suffix = f"reproduce-{uuid.uuid4().hex[:8]}"  # a fresh run: never resumed, never reused
+    ray_storage = Path(storage.ray_storage)
+    for folder in remove_abandoned_reproductions(ray_storage):
+        console.print(f"[yellow]note:[/] removed {escape(str(folder))}: the checkpoints of a reproduction whose "
+                      "process is gone (killed before it could remove them)")
+    ray_storage.mkdir(parents=True, exist_ok=True)
+    (ray_storage / REPRODUCTION_PROCESS_FILE.format(suffix=suffix)).write_text(this_process())
     try:
         tracked = run_tracked_training(
             recorded.config, inputs, tracking, ray_storage=storage.ray_storage,
@@ -102,9 +114,9 @@ def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None
         )
     finally:
         # Nothing resumes a reproduction, so its checkpoints (engine state included) would only fill
-        # the disk: removed whether it finished, failed or was interrupted (Ctrl-C).
-        for run_folder in Path(storage.ray_storage).glob(f"*-{suffix}"):
-            shutil.rmtree(run_folder, ignore_errors=True)
+        # the disk: removed whether it finished, failed or was interrupted (Ctrl-C); after a kill -9,
+        # by the next reproduce.
+        _remove_reproduction(ray_storage, suffix)
     records = eval_records(recorded.inputs.dataset_paths)
     base, trained = evaluate_against_base(recorded.inputs.base_model, tracked.result.model_dir, records, eval_settings)
     report = EvaluationReport(base, trained, tracked.result.model_dir, tracked.mlflow_run_id)
@@ -112,6 +124,35 @@ def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None
     rows = compare_runs(tracking, run_id, tracked.mlflow_run_id)
     console.print(comparison_table(run_id, tracked.mlflow_run_id, rows))
     return 0 if all(equal is not False for *_, equal in rows) else 1
+
+
+def remove_abandoned_reproductions(ray_storage: Path) -> list[Path]:
+    """Remove the Ray run folders of earlier reproductions whose process is certainly gone (see
+    `process_is_gone`: never one still running, nor one started on another host), with their process
+    files. Returns the folders removed. Training runs' folders, which have no process file, are kept."""
+    removed = []
+    for process_file in ray_storage.glob(REPRODUCTION_PROCESS_FILE.format(suffix="reproduce-*")):
+        if (name := _REPRODUCTION_PROCESS_FILE_NAME.fullmatch(process_file.name)) is None:
+            continue  # not one reproduce writes: its suffix could name other runs' folders
+        try:
+            identity = process_file.read_text().strip()
+        except OSError:
+            continue  # removed meanwhile by another reproduce's sweep, or unreadable: not ours to judge
+        if process_is_gone(identity):
+            removed += _remove_reproduction(ray_storage, name.group(1))
+    return removed
+
+
+def _remove_reproduction(ray_storage: Path, suffix: str) -> list[Path]:
+    """Its run folders, then its process file (kept while a folder could not be removed: a removal
+    cut short is finished by a later sweep). Returns the folders removed."""
+    folders = sorted(ray_storage.glob(f"*-{suffix}"))
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    if any(folder.exists() for folder in folders):
+        return [folder for folder in folders if not folder.exists()]
+    (ray_storage / REPRODUCTION_PROCESS_FILE.format(suffix=suffix)).unlink(missing_ok=True)
+    return folders
 
 
 def comparison_table(run_id: str, reproduced_id: str, rows) -> Table:

@@ -17,7 +17,7 @@ from training_core.base_model import base_model_changes
 from training_core.errors import ConfigError, LineageError
 from training_core.lineage import build_lineage_record
 from training_core.storage import changed_files
-from training_core.tracking import MlflowTracking
+from training_core.tracking import MlflowTracking, interruption
 from training_core.train.config import TrainingConfig
 from training_core.train.fault_injection import FAULT_STEP_ENV, fault_step_for
 from training_core.train.result import TrainingResult
@@ -194,6 +194,8 @@ def run_tracked_training(
     for abandoned in tracking.end_abandoned_runs():
         log.warning("MLflow run %s was left RUNNING by a process that is gone: marked KILLED", abandoned)
     run_id = tracking.start_run(name, tags={"method": config.method, **(extra_tags or {})})
+    # Said first, so a step that fails (or is stopped) names the MLflow run that holds its lineage.
+    log.info("MLflow run %s (experiment %s) started: training Ray run %s", run_id, tracking.experiment_id, name)
     try:
         tracking.log_lineage(run_id, lineage=lineage, config=config.model_dump(mode="json"),
                              dataset_paths=inputs.dataset_paths)
@@ -217,7 +219,12 @@ def run_tracked_training(
         )
         tracking.log_training(run_id, result=result)
     except BaseException as error:
-        tracking.end_failed_run(run_id, error)
+        if (stopped_by := interruption(error)) is not None:  # stopped from outside: KILLED, not a crash
+            tracking.end_interrupted_run(run_id, stopped_by)
+            log.warning("MLflow run %s ended KILLED: stopped by %s", run_id, stopped_by)
+        else:
+            tracking.end_failed_run(run_id, error)
+            log.warning("MLflow run %s ended FAILED (%s)", run_id, type(error).__name__)
         raise
     tracking.end_run(run_id)
     return TrackedRun(mlflow_run_id=run_id, result=result, lineage=lineage)

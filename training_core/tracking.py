@@ -21,6 +21,19 @@ log = logging.getLogger(__name__)
 
 PROCESS_TAG = "tessera.process"  # host:pid:start time of the process that started the run
 FAILURE_TAG = "tessera.failure"  # "Type: message" of the error a FAILED run ended with
+ENDED_BY_TAG = "tessera.ended_by"  # what stopped a KILLED run from outside: "<who>: <how>"
+
+
+def interruption(error: BaseException) -> str | None:
+    """What stopped the run, when ``error`` is a stop from outside rather than a failure of the run:
+    Ctrl-C, a signal, or Dagster's Terminate (named, not imported: training_core has no Dagster)."""
+    if any(cls.__name__ == "DagsterExecutionInterruptedError" for cls in type(error).__mro__):
+        return "Dagster's Terminate (DagsterExecutionInterruptedError)"
+    if isinstance(error, KeyboardInterrupt):
+        return "Ctrl-C (KeyboardInterrupt)"
+    if isinstance(error, SystemExit):  # what ray.get turns Ctrl-C or SIGTERM into while the driver waits
+        return f"a signal to stop, such as Ctrl-C or SIGTERM (SystemExit: {error.code})"
+    return None
 
 
 def _check_artifact_location(experiment: str, location: str, artifact_root: Path) -> None:
@@ -100,7 +113,7 @@ class MlflowTracking:
         abandoned = [run.info.run_id for run in running
                      if process_is_gone(run.data.tags.get(PROCESS_TAG, ""))]
         for run_id in abandoned:
-            self.client.set_tag(run_id, "tessera.ended_by", "a later run: its process was gone")
+            self.client.set_tag(run_id, ENDED_BY_TAG, "a later run: its process was gone")
             self.client.set_terminated(run_id, status="KILLED")
         return abandoned
 
@@ -199,11 +212,20 @@ class MlflowTracking:
         reason = redact_uri(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
         if len(reason) > MAX_TAG_VAL_LENGTH:
             reason = reason[: MAX_TAG_VAL_LENGTH - 1] + "…"
-        try:
-            self.client.set_tag(run_id, FAILURE_TAG, reason)
-        except Exception as tag_error:  # noqa: BLE001 - the run's own error is the one to raise
-            log.warning("MLflow run %s: could not record why it failed (%s)", run_id, redact_uri(str(tag_error)))
+        self._tag_as_it_ends(run_id, FAILURE_TAG, reason)
         self.end_run(run_id, status="FAILED")
+
+    def end_interrupted_run(self, run_id: str, stopped_by: str) -> None:
+        """End the run KILLED, MLflow's status for a run stopped from outside, with `tessera.ended_by`
+        naming what stopped it (:func:`interruption`): a stop is not a crash to debug."""
+        self._tag_as_it_ends(run_id, ENDED_BY_TAG, f"an interruption: {stopped_by}")
+        self.end_run(run_id, status="KILLED")
+
+    def _tag_as_it_ends(self, run_id: str, key: str, value: str) -> None:
+        try:
+            self.client.set_tag(run_id, key, value)
+        except Exception as tag_error:  # noqa: BLE001 - the run's own error is the one to raise
+            log.warning("MLflow run %s: could not record why it ended (%s)", run_id, redact_uri(str(tag_error)))
 
     def run_url(self, run_id: str, ui_base: str = "http://127.0.0.1:5000") -> str:
         return f"{ui_base}/#/experiments/{self.experiment_id}/runs/{run_id}"

@@ -1,16 +1,21 @@
 """A training run that fails ends FAILED in MLflow with its reason in the `tessera.failure` tag:
 ``Type: message``, credentials redacted, cut to MLflow's tag limit; a store that cannot take the tag
-does not hide the run's own error."""
+does not hide the run's own error. A run stopped from outside (Ctrl-C, SIGTERM, Dagster's Terminate)
+ends KILLED instead, its `tessera.ended_by` tag naming what stopped it, and `tessera reproduce`
+refuses it. The step's log names the MLflow run as it starts and as it ends."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
 
 import training_core.train.launcher as launcher
-from training_core.errors import TrainingDivergedError
+from training_core.errors import LineageError, TrainingDivergedError
+from training_core.reproduce import load_recorded_run
 from training_core.runs import TrainingInputs, run_tracked_training
-from training_core.tracking import FAILURE_TAG, MlflowTracking
+from training_core.tracking import ENDED_BY_TAG, FAILURE_TAG, MlflowTracking
 from training_core.train.config import TrainingConfig
 
 
@@ -78,13 +83,46 @@ def test_a_tag_the_store_refuses_does_not_hide_the_error(monkeypatch, demo_model
     assert run.info.status == "FAILED" and FAILURE_TAG not in run.data.tags
 
 
-def test_a_run_stopped_from_the_ui_ends_failed_with_why(monkeypatch, demo_model, demo_dataset, tmp_path):
-    """Dagster's Terminate raises a BaseException in the step: the MLflow run must not stay RUNNING."""
+def _dagster_terminate() -> BaseException:
     from dagster._core.errors import DagsterExecutionInterruptedError
 
-    _fail_in_training(monkeypatch, DagsterExecutionInterruptedError())
+    return DagsterExecutionInterruptedError()
+
+
+@pytest.mark.parametrize(("stop", "ended_by"), [
+    (_dagster_terminate, "an interruption: Dagster's Terminate (DagsterExecutionInterruptedError)"),
+    (KeyboardInterrupt, "an interruption: Ctrl-C (KeyboardInterrupt)"),
+    # Ctrl-C or SIGTERM while the driver waits in ray.get reaches it as SystemExit(1)
+    (lambda: SystemExit(1), "an interruption: a signal to stop, such as Ctrl-C or SIGTERM (SystemExit: 1)"),
+], ids=["dagster terminate", "ctrl-c", "signal in ray.get"])
+def test_a_run_stopped_from_outside_ends_killed_saying_what_stopped_it(monkeypatch, demo_model, demo_dataset,
+                                                                      tmp_path, caplog, stop, ended_by):
+    """Not FAILED with `SystemExit: 1`: an operator must tell a stop from a crash. The run must not
+    stay RUNNING either, and a reproduction of it is refused (it has no results)."""
+    error = stop()
+    _fail_in_training(monkeypatch, error)
     tracking = _tracking(tmp_path)
-    with pytest.raises(DagsterExecutionInterruptedError):
+    with caplog.at_level(logging.INFO, logger="training_core.runs"), pytest.raises(type(error)):
         _train(tracking, demo_model, demo_dataset, tmp_path)
     run = _only_run(tracking)
-    assert run.info.status == "FAILED" and run.data.tags[FAILURE_TAG] == "DagsterExecutionInterruptedError"
+    assert run.info.status == "KILLED" and FAILURE_TAG not in run.data.tags
+    assert run.data.tags[ENDED_BY_TAG] == ended_by
+    assert f"MLflow run {run.info.run_id} ended KILLED: stopped by {ended_by.removeprefix('an interruption: ')}" \
+        in caplog.messages
+    # A later training's sweep of abandoned runs leaves it as it is: only RUNNING runs are its business.
+    assert tracking.end_abandoned_runs() == []
+    with pytest.raises(LineageError, match=f"MLflow run {run.info.run_id} ended KILLED: it did not finish"):
+        load_recorded_run(tracking, run.info.run_id, cache_directory=None)
+
+
+def test_the_step_log_names_the_mlflow_run_as_it_starts_and_fails(monkeypatch, demo_model, demo_dataset, tmp_path,
+                                                                  caplog):
+    """A failed lora_adapter step's log is where an operator starts: it must name the MLflow run."""
+    _fail_in_training(monkeypatch, TrainingDivergedError("training loss became nan at step 7"))
+    tracking = _tracking(tmp_path)
+    with caplog.at_level(logging.INFO, logger="training_core.runs"), pytest.raises(TrainingDivergedError):
+        _train(tracking, demo_model, demo_dataset, tmp_path)
+    run = _only_run(tracking)
+    assert f"MLflow run {run.info.run_id} (experiment {tracking.experiment_id}) started: training Ray run " \
+           f"{run.info.run_name}" in caplog.messages
+    assert f"MLflow run {run.info.run_id} ended FAILED (TrainingDivergedError)" in caplog.messages

@@ -8,6 +8,8 @@ Runs are recorded in the state folder's real SQLite MLflow store and read back b
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from io import StringIO
 from pathlib import Path
 
@@ -17,8 +19,14 @@ from rich.console import Console
 from pipelines import reproduce
 from tests.unit.deploy_support import RAY_MANIFEST
 from tests.unit.test_reproduce_inputs import _published_dataset, _record_run
+from training_core.process_identity import this_process
 from training_core.tracking import MlflowTracking
 from training_core.train.config import TrainingConfig
+
+REPO = Path(__file__).resolve().parents[2]
+# Prints this_process() of a `tessera reproduce` stand-in, then runs until its stdin is closed.
+REPRODUCE_PROCESS = ("import sys; from training_core.process_identity import this_process; "
+                     "print(this_process(), flush=True); sys.stdin.read()")
 
 
 class _Trained(Exception):
@@ -122,6 +130,54 @@ def test_a_reproduction_that_stops_early_leaves_no_checkpoints_behind(home, monk
     with pytest.raises(type(interruption)):
         reproduce.reproduce_run(run_id, Console(file=StringIO()))
     assert sorted(p.name for p in (home / "ray").iterdir()) == [other_run.name]
+
+
+def _checkpoints_of_reproduction(ray_storage: Path, suffix: str, process: str) -> Path:
+    """What `tessera reproduce` leaves while it trains: its run folder and the file naming its process."""
+    folder = ray_storage / f"train-2026-11-01-abc-{suffix}"
+    (folder / "checkpoint_000001" / "deepspeed").mkdir(parents=True)
+    (folder / "checkpoint_000001" / "deepspeed" / "optim_states.pt").write_bytes(b"x" * 64)
+    (ray_storage / f".{suffix}.process").write_text(process)
+    return folder
+
+
+def test_a_reproduction_killed_with_kill_9_has_its_checkpoints_removed_by_the_next(home, monkeypatch):
+    """kill -9 skips reproduce's own cleanup: the next reproduce removes that folder (engine and optimizer
+    state, several times the model for a full fine-tune), but never one of a reproduction still running
+    in another process, nor a training run's folder."""
+    run_id, _ = _recorded_run(home)
+    ray_storage = home / "ray"
+    exited = subprocess.run([sys.executable, "-c", REPRODUCE_PROCESS], cwd=REPO, input="", capture_output=True,
+                            text=True, check=True).stdout.strip()
+    killed = _checkpoints_of_reproduction(ray_storage, "reproduce-0badc0de", exited)
+    running = subprocess.Popen([sys.executable, "-c", REPRODUCE_PROCESS], cwd=REPO, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        running_identity = running.stdout.readline().strip()
+        still_running = _checkpoints_of_reproduction(ray_storage, "reproduce-5eed1e55", running_identity)
+        training_run = ray_storage / "train-2026-11-01-abc-def"  # resumable: no process file, kept
+        training_run.mkdir()
+        present_while_training = []
+
+        def train(config, inputs, tracking, *, ray_storage, run_name_suffix, **kwargs):
+            present_while_training.extend(sorted(p.name for p in Path(ray_storage).iterdir()))
+            assert (Path(ray_storage) / f".{run_name_suffix}.process").read_text() == this_process()
+            raise _Trained
+
+        monkeypatch.setattr(reproduce, "_connect_to_ray", lambda ray_cluster: None)
+        monkeypatch.setattr(reproduce, "gpu_available_in_cluster", lambda: False)
+        monkeypatch.setattr("resources.ray_cluster.alive_node_resources", lambda: [{"CPU": 64.0}])
+        monkeypatch.setattr(reproduce, "run_tracked_training", train)
+        output = StringIO()
+        with pytest.raises(_Trained):
+            reproduce.reproduce_run(run_id, Console(file=output, soft_wrap=True))
+        assert not killed.exists() and killed.name not in present_while_training
+        assert f"removed {killed}: the checkpoints of a reproduction whose process is gone" in output.getvalue()
+        assert (still_running / "checkpoint_000001" / "deepspeed" / "optim_states.pt").is_file()
+        assert sorted(p.name for p in ray_storage.iterdir()) == [
+            ".reproduce-5eed1e55.process", training_run.name, still_running.name]
+    finally:
+        running.communicate(input="")
 
 
 def test_metrics_that_differ_are_shown_with_every_digit():
