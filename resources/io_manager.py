@@ -102,7 +102,9 @@ def _never_materialized(context: dg.InputContext, which: str, path, day: str | N
 def _daily_assets_this_step_reads_for(context: dg.InputContext, day: str) -> list[str]:
     """The daily assets this step reads for `day` and those they are built from (row_group_cache from
     training_dataset from raw_examples), in the order they are built: none may exist for a day outside
-    every backfill so far, and naming only the input that failed first leaves the next one to fail."""
+    every backfill so far, and naming only the input that failed first leaves the next one to fail.
+    Those already materialized for `day` are left out (rebuilding raw_examples re-reads an export that
+    retention may have deleted), except the input that failed: its stored value is missing regardless."""
     try:
         step = context.step_context
     except dg.DagsterInvariantViolationError:  # a context built outside a run
@@ -118,8 +120,15 @@ def _daily_assets_this_step_reads_for(context: dg.InputContext, day: str) -> lis
         if (upstream is not None and step.has_asset_partitions_for_input(step_input.name)
                 and day in step.asset_partitions_subset_for_input(step_input.name).get_partition_keys()):
             read |= graph.get_ancestor_asset_keys(upstream, include_self=True)
+    failed = context.asset_key if context.has_asset_key else None
     return [key.to_user_string() for key in graph.toposorted_asset_keys
-            if key in read and graph.get(key).partitions_def is not None]
+            if key in read and graph.get(key).partitions_def is not None
+            and (key == failed or not _materialized_for(step.instance, key, day))]
+
+
+def _materialized_for(instance: dg.DagsterInstance, key: dg.AssetKey, day: str) -> bool:
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[day]), limit=1)
+    return bool(records.records)
 
 
 def _added_by_an_asset_backfill(context: dg.InputContext, which: str) -> str:

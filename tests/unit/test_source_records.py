@@ -259,6 +259,42 @@ def test_an_export_still_being_written_is_refused_naming_its_temporary_folder(tm
         memory.rm(f"memory://tessera-{tmp_path.name}", recursive=True)
 
 
+def test_a_committed_export_reads_without_the_attempt_files_its_temporary_folder_kept(tmp_path, caplog):
+    """A job that committed (`_SUCCESS` written) leaves a failed task attempt's files below `_temporary/`
+    where its cleanup is skipped or fails: they are no part of the export, so it is read without them,
+    with a warning; a `_temporary/` whose own folder has no `_SUCCESS` is still refused."""
+    day = tmp_path / "exports" / "2026-11-05"
+    attempt = day / "_temporary" / "0" / "_temporary" / "attempt_0001_m_000003_1"
+    attempt.mkdir(parents=True)
+    (attempt / "part-00003.jsonl").write_text(_jsonl("failed attempt"))
+    (day / "part-00000.jsonl").write_text(_jsonl("a", "b"))
+    (day / "_SUCCESS").write_text("")
+    for source in (str(day), f"file://{day}"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="training_core.data.sources"):
+            assert [r["prompt"] for r in read_records(source)] == ["a", "b"]
+        assert (f"{source}/_temporary holds 1 file(s) left behind by an export that committed (_SUCCESS beside it)"
+                in caplog.text)
+    nested = day / "sub" / "_temporary" / "0"
+    nested.mkdir(parents=True)
+    (nested / "part-00001.jsonl").write_text(_jsonl("c"))
+    with pytest.raises(SourceDataError, match=rf"^{day}/sub/_temporary holds 1 file\(s\): an export still being"):
+        read_records(day)
+
+    memory = fsspec.filesystem("memory")
+    uri = f"memory://tessera-{tmp_path.name}/exports/2026-11-05"
+    try:
+        memory.pipe(f"{uri}/part-00000.jsonl", _jsonl("a").encode())
+        memory.pipe(f"{uri}/_temporary/0/_temporary/attempt_1/part-00001.jsonl", _jsonl("b").encode())
+        memory.pipe(f"{uri}/_SUCCESS", b"")
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="training_core.data.sources"):
+            assert [r["prompt"] for r in read_records(uri)] == ["a"]
+        assert f"{uri}/_temporary holds 1 file(s) left behind by an export that committed" in caplog.text
+    finally:
+        memory.rm(f"memory://tessera-{tmp_path.name}", recursive=True)
+
+
 def test_records_keep_where_they_came_from_and_an_overlong_one_names_the_users_file(tmp_path, demo_model):
     from training_core.base_model import load_tokenizer
     from training_core.data.sources import ORIGINS_FILE, RecordOrigins

@@ -5,7 +5,8 @@ A source is a local file or folder, or an fsspec URI (`s3://bucket/day/`, `gs://
 (JSON Lines or one array), `.csv` — each also gzip-compressed (`.jsonl.gz`) — and `.parquet`.
 Hidden (`.`) and underscore (`_SUCCESS`, `_temporary/`) names are skipped; any other file in a
 folder is refused by name, so that no part of a day's export is left out without a word, and so is a
-folder whose `_temporary/` holds files: an export still being written. On local
+folder whose `_temporary/` holds files: an export still being written, unless `_SUCCESS` beside it says
+the export committed (its leftover attempt files are then not read, with a warning). On local
 disk (a path or `file://`) links are followed, as the Parquet reader follows them: a folder or file
 linked into the export is part of it, a folder reached twice through links is read once, and a link
 to nothing is refused by name.
@@ -24,11 +25,12 @@ import functools
 import gzip
 import itertools
 import json
+import logging
 import os
 import re
 import threading
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -48,6 +50,7 @@ from training_core.data.local_folders import (
 from training_core.errors import SourceDataError
 from training_core.redaction import redact_uri
 
+log = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("prompt", "response")
 ORIGINS_FILE = ".origins.json"  # beside a frozen copy of records: hidden, outside its digest
@@ -56,8 +59,10 @@ SUPPORTED_SUFFIXES = (*TEXT_SUFFIXES, ".parquet")
 READ_SUFFIXES = f"{'/'.join(SUPPORTED_SUFFIXES)} (the text ones also gzip-compressed, e.g. .jsonl.gz)"
 SHOWN_REFUSED_FILES = 5
 # Spark's and Hadoop's output committers write each task's files below `_temporary/` and move them out
-# when the job commits; an empty one may be left behind.
+# when the job commits, then write `_SUCCESS` beside it; an empty one may be left behind, and where cleanup
+# is skipped or fails, one holding a failed or speculative task attempt's files.
 UNCOMMITTED_EXPORT_FOLDER = "_temporary"
+COMMITTED_EXPORT_MARKER = "_SUCCESS"
 
 
 @dataclass(frozen=True)
@@ -111,11 +116,17 @@ def _chainable(error: Exception) -> Exception | None:
     return error
 
 
-def _refuse_uncommitted_export(shown: str, files_in: dict[str, int]) -> None:
+def _refuse_uncommitted_export(shown: str, files_in: dict[str, int], is_file: Callable[[str], bool]) -> None:
     """Refuse a source folder where `files_in` (the path of each `_temporary` folder relative to the
     source, with the number of files below it) is not empty: reading it would train on the files
-    committed so far only."""
-    if held := {folder: count for folder, count in files_in.items() if count}:
+    committed so far only. A `_temporary` whose folder holds `_SUCCESS` (`is_file` takes a path
+    relative to the source) was left by a job that committed: its files are no part of the export."""
+    held = {folder: count for folder, count in files_in.items() if count}
+    for folder in [folder for folder in held if is_file(str(PurePosixPath(folder).parent / COMMITTED_EXPORT_MARKER))]:
+        log.warning("%s/%s holds %d file(s) left behind by an export that committed (%s beside it): "
+                    "they are not part of it and are not read", shown.rstrip("/"), folder, held.pop(folder),
+                    COMMITTED_EXPORT_MARKER)
+    if held:
         folders = "; ".join(f"{shown.rstrip('/')}/{folder} holds {count} file(s)" for folder, count in held.items())
         raise SourceDataError(
             f"{folders}: an export still being written (its job moves them out of {UNCOMMITTED_EXPORT_FOLDER}/ "
@@ -145,7 +156,7 @@ def _list_local(path: Path, shown_as: str) -> tuple[bool, list[tuple[str, Source
             uncommitted[relative] = sum(len(names) for _, _, names in os.walk(path / relative, onerror=raise_refusal))
 
     relatives = sorted(walk_local_files(path, refuse, count_uncommitted), key=lambda r: PurePosixPath(r).parts)
-    _refuse_uncommitted_export(shown_as, uncommitted)
+    _refuse_uncommitted_export(shown_as, uncommitted, lambda relative: (path / relative).is_file())
     for relative in relatives:
         file = path / relative
         shown = f"{shown_as.rstrip('/')}/{relative}"
@@ -187,7 +198,8 @@ def _list_uri(uri: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
         if skipped_at is not None and parts[skipped_at] == UNCOMMITTED_EXPORT_FOLDER:
             folder = "/".join(parts[:skipped_at + 1])
             uncommitted[folder] = uncommitted.get(folder, 0) + 1
-    _refuse_uncommitted_export(shown, uncommitted)
+    listed = set(relative)
+    _refuse_uncommitted_export(shown, uncommitted, lambda r: r in listed)
     return True, [(r, SourceFile(f"{shown.rstrip('/')}/{r}", base + r, fs)) for r in relative if not is_hidden_or_underscore(r)]
 
 
