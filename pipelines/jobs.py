@@ -6,6 +6,7 @@ from pathlib import Path
 
 import dagster as dg
 import yaml
+from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
 
 from assets.partitions import DAILY, TRAINING_WINDOW_DAYS
 from training_core.errors import ConfigError
@@ -69,9 +70,10 @@ def _settings_left_on_the_demo(run_config: dict) -> list[str]:
 # Retraining, one day at a time. A day's export has landed by EXPORT_LANDED_HOUR:00 UTC the day after
 # (the partitions' timezone); from then the schedule ticks every hour, and each tick starts at most one
 # run: the oldest day still to train whose training window is built, among the last CATCH_UP_DAYS closed
-# days from the first one trained or tried. A tick that cannot start it (an earlier day's run still going, a run longer than a day, the
-# daemon down over a tick) loses nothing: a later tick starts it. Unchanged inputs reuse the earlier
-# training run instead of retraining.
+# days from the first one trained or tried (none of them was: all of them, or the last one only where no
+# day ever was). A tick that cannot start it (an earlier day's row_group_cache still being built, the
+# daemon down over a tick, a backfill of the day in progress) loses nothing: a later tick starts it.
+# Unchanged inputs reuse the earlier training run instead of retraining.
 EXPORT_LANDED_HOUR = 2
 CATCH_UP_DAYS = 7
 
@@ -85,9 +87,9 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
         job=demo_job, name="daily_retrain", cron_schedule=f"0 {EXPORT_LANDED_HOUR}-23 * * *",
         execution_timezone="UTC",
         description=f"hourly from {EXPORT_LANDED_HOUR:02}:00 UTC, train the oldest of the last {CATCH_UP_DAYS} "
-                    f"closed days not yet trained (or tried) whose training window is built (none was: the last one only), "
-                    f"with the run config "
-                    f"in ${RUN_CONFIG_ENV} (unset: {unset})",
+                    f"closed days not yet trained (or tried) whose training window is built and that no run or backfill "
+                    f"is building (no day ever trained: the last one only), with the run config in ${RUN_CONFIG_ENV} "
+                    f"(unset: {unset})",
     )
     def daily_retrain_schedule(context: dg.ScheduleEvaluationContext):
         # The tick's own time, never the clock: the daemon evaluates missed ticks late, when it catches up.
@@ -98,22 +100,28 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
         # A bad or missing file fails the tick, naming it, before any run starts.
         run_config = scheduled_run_config(embedded_defaults_allowed)
         run_config_file = os.environ[RUN_CONFIG_ENV].strip() if run_config else None
-        # The recent days not trained or tried since the first one that was; where none was (a fresh
-        # deployment, a longer pause), the day that just closed only: earlier days may never be meant to train.
+        # The recent days not trained or tried since the first one that was. None was: after a pause, or
+        # with days waiting behind a failed one that has left the range, all of them, so a blocked day keeps
+        # its turn; on a fresh deployment (no day ever was) the day that just closed only: earlier days may
+        # never be meant to train.
         recent = closed_days[-CATCH_UP_DAYS:]
         tried = [_trained_or_tried(context.instance, day) for day in recent]
-        since = tried.index(True) if True in tried else len(recent) - 1
+        if True in tried:
+            since = tried.index(True)
+        else:
+            since = 0 if _any_day_trained_or_tried(context.instance) else len(recent) - 1
         candidates = [day for day, done in zip(recent[since:], tried[since:]) if not done]
         if not candidates:
             return dg.SkipReason(
                 f"nothing to start: each closed day from {recent[since]} to {recent[-1]} has lora_adapter materialized "
                 f"or a run of {demo_job.name} (a day whose run failed is not retried: relaunch it by hand)")
+        backfilled = _days_in_unfinished_backfills(context.instance, context.repository_def.asset_graph)
         oldest_blocked = None
         for day in candidates:
             # The run materializes its own day only; lora_adapter also reads the window's earlier days.
             position = closed_days.index(day)
             earlier_days = closed_days[max(0, position - TRAINING_WINDOW_DAYS + 1):position]
-            blocked = _why_not_ready(context.instance, day, earlier_days, run_config_file)
+            blocked = _why_not_ready(context.instance, day, earlier_days, backfilled, run_config_file)
             if blocked is None:
                 if oldest_blocked:
                     context.log.info(f"starting {demo_job.name} for {day}; older days wait: {oldest_blocked}")
@@ -139,6 +147,28 @@ def _trained_or_tried(instance: dg.DagsterInstance, day: str) -> bool:
         filters=dg.RunsFilter(job_name=demo_job.name, tags={"dagster/partition": day}), limit=1))
 
 
+def _any_day_trained_or_tried(instance: dg.DagsterInstance) -> bool:
+    """Whether any day ever had a lora_adapter or a run of the job: the deployment has started retraining."""
+    return bool(instance.fetch_materializations(dg.AssetKey("lora_adapter"), limit=1).records
+                or instance.get_runs(filters=dg.RunsFilter(job_name=demo_job.name), limit=1))
+
+
+def _days_in_unfinished_backfills(instance: dg.DagsterInstance, asset_graph) -> dict[str, str]:
+    """{day: id of a backfill not yet finished that targets it, for any asset}. Between the runs of an
+    asset backfill (one per stage of the graph) no run of the day is queued, yet the backfill builds it."""
+    targeted = {}
+    for backfill in instance.get_backfills(filters=BulkActionsFilter(statuses=[BulkActionStatus.REQUESTED])):
+        if backfill.is_asset_backfill:
+            target = backfill.get_asset_backfill_data(asset_graph).target_subset
+            days = {day for subset in target.partitions_subsets_by_asset_key.values()
+                    for day in subset.get_partition_keys()}
+        else:  # a job's backfill: one run per partition named
+            days = set(backfill.partition_names or ())
+        for day in days:
+            targeted.setdefault(day, backfill.backfill_id)
+    return targeted
+
+
 def _runs_in_progress(instance: dg.DagsterInstance, days: list[str]) -> dict[str, str]:
     """{day: id of a run of that partition that is queued or running} for the days that have one."""
     unfinished = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
@@ -155,24 +185,34 @@ def _runs_in_progress(instance: dg.DagsterInstance, days: list[str]) -> dict[str
 WINDOW_DAY_ASSETS = ("raw_examples", "training_dataset", "row_group_cache")
 
 
-def _why_not_ready(instance: dg.DagsterInstance, day: str, earlier_days: list[str],
+def _why_not_ready(instance: dg.DagsterInstance, day: str, earlier_days: list[str], backfilled: dict[str, str],
                    run_config_file: str | None) -> str | None:
-    """Why a run for `day` cannot start now, or None. Another run of the day itself (a backfill of its
-    data) would write the same partitions at once. An earlier day of its training window that never had
-    row_group_cache materialized (a fresh deployment, a day whose run failed) would fail lora_adapter
-    after every step before had run: the reason names the backfill to launch."""
+    """Why a run for `day` cannot start now, or None. Another run of the day itself, or a backfill that
+    targets it, would write the same partitions at once. An earlier day of its training window that never
+    had row_group_cache materialized (a fresh deployment, a day whose run failed) would fail lora_adapter
+    after every step before had run: the reason names the backfill to launch, or what is building it."""
     if own := _runs_in_progress(instance, [day]):
         return (f"not starting {demo_job.name} for {day}: run {own[day]} of that day is still queued or running; "
                 f"a later tick reconsiders {day} once it has ended")
+    if day in backfilled:
+        return (f"not starting {demo_job.name} for {day}: backfill {backfilled[day]} targets that day and has not "
+                f"finished; a later tick reconsiders {day} once it has")
     missing = [earlier for earlier in earlier_days if not _materialized(instance, "row_group_cache", earlier)]
     if not missing:
         return None
-    if building := _runs_in_progress(instance, missing):  # a day's run queued or running: not a backfill to launch
+    # A run or a backfill of the day is building it (a run does so mid-run, before its training): not a
+    # backfill to launch.
+    building = {earlier: f"run {run_id} queued or running"
+                for earlier, run_id in _runs_in_progress(instance, missing).items()}
+    building.update({earlier: f"backfill {backfilled[earlier]} not finished" for earlier in missing
+                     if earlier in backfilled and earlier not in building})
+    if building:
+        several = len(building) > 1
         return (
-            f"not starting {demo_job.name} for {day}: its training window also reads "
-            f"{', '.join(sorted(building))}, whose row_group_cache run{'s are' if len(building) > 1 else ' is'} still "
-            f"queued or running ({', '.join(f'{d}: run {building[d]}' for d in sorted(building))}); a later tick "
-            f"starts {demo_job.name} for {day} once {'they have' if len(building) > 1 else 'it has'} succeeded"
+            f"not starting {demo_job.name} for {day}: its training window also reads {', '.join(sorted(building))}, "
+            f"whose row_group_cache {'are' if several else 'is'} still being built "
+            f"({'; '.join(f'{d}: {building[d]}' for d in sorted(building))}); a later tick starts {demo_job.name} "
+            f"for {day} once {'they are' if several else 'it is'} built"
         )
     # The backfill's training_dataset reads base_model: include it where no run has built it yet.
     selection = ([] if instance.fetch_materializations(dg.AssetKey("base_model"), limit=1).records

@@ -5,10 +5,12 @@ holds the runs the daemon would have launched and the materializations their suc
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta, timezone
 
 import dagster as dg
 import pytest
+from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._utils.schedules import cron_string_iterator
 
 from pipelines.definitions import defs
@@ -69,8 +71,10 @@ def _at(day: int, hour: int, minute: int = 0) -> datetime:
 def _daemon(instance: dg.DagsterInstance, start: datetime, end: datetime, training: timedelta,
             down_until: datetime | None = None) -> list[tuple[str, datetime]]:
     """Runs the daemon over the schedule's own ticks from `start` to `end`: (day, when) of each run it
-    launches. Each run succeeds `training` after its launch. Down until `down_until`, it then evaluates
-    the last MAX_CATCHUP_TICKS ticks it missed, one after the other, at that moment."""
+    launches. Each run materializes its day's assets and succeeds `training` after its launch (a real run
+    builds row_group_cache earlier, before its training: the next day can start from then). Down until
+    `down_until`, it then evaluates the last MAX_CATCHUP_TICKS ticks it missed, one after the other, at
+    that moment."""
     ticks = []
     for tick in cron_string_iterator(start.timestamp(), SCHEDULE.cron_schedule, SCHEDULE.execution_timezone):
         if tick >= end:
@@ -104,7 +108,7 @@ def test_a_catch_up_after_the_daemon_was_down_launches_every_day_in_order(instan
     for day in ("2026-11-01", "2026-11-02", "2026-11-03", "2026-11-04"):
         _trained(instance, day)  # the schedule ran fine until the outage
     # Down over the 02:00 ticks of 11-06 and 11-07; back at 02:30, its catch-up launches 11-05 and finds
-    # 11-06 waiting on it. A later tick starts 11-06 once 11-05 has succeeded, and so on, day by day.
+    # 11-06 waiting on it. A later tick starts 11-06 once 11-05's row_group_cache is built, and so on.
     launched = _daemon(instance, _at(5, 23), _at(10, 3), training=timedelta(hours=5), down_until=_at(7, 2, 30))
     assert launched == [("2026-11-05", _at(7, 2, 30)), ("2026-11-06", _at(7, 8)), ("2026-11-07", _at(8, 2)),
                         ("2026-11-08", _at(9, 2)), ("2026-11-09", _at(10, 2))]
@@ -116,14 +120,26 @@ def test_the_catch_up_tick_that_finds_the_day_before_still_running_says_a_later_
     run_1105 = _launch(instance, _tick(instance, 6))
     assert _tick(instance, 7).skip_message == (
         "not starting train_and_promote for 2026-11-06: its training window also reads 2026-11-05, whose "
-        f"row_group_cache run is still queued or running (2026-11-05: run {run_1105.run_id}); a later tick starts "
-        "train_and_promote for 2026-11-06 once it has succeeded")
+        f"row_group_cache is still being built (2026-11-05: run {run_1105.run_id} queued or running); a later tick "
+        "starts train_and_promote for 2026-11-06 once it is built")
+
+
+def test_the_next_day_starts_once_the_day_befores_row_group_cache_is_built_while_that_run_still_trains(instance):
+    _trained(instance, "2026-11-01")
+    run_1102 = _launch(instance, _tick(instance, 3))
+    instance.report_dagster_event(dg.DagsterEvent(dg.DagsterEventType.RUN_START.value, job_name=run_1102.job_name),
+                                  run_id=run_1102.run_id)
+    for asset in ("raw_examples", "training_dataset", "row_group_cache"):  # its data steps done, training goes on
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset, partition="2026-11-02"))
+    assert instance.get_run_by_id(run_1102.run_id).status == dg.DagsterRunStatus.STARTED
+    # lora_adapter of 11-03 waits in the training pool of 1 until 11-02's has finished.
+    assert _requested(_tick(instance, 4)) == ["2026-11-03"]
 
 
 def test_a_training_run_longer_than_a_day_delays_the_next_day_instead_of_dropping_it(instance):
     _trained(instance, "2026-11-01")
     launched = _daemon(instance, _at(3, 0), _at(6, 0), training=timedelta(hours=30))
-    # Each day starts at the first tick after the run before it has succeeded.
+    # Each day starts at the first tick after the run before it has built its data (here: when it succeeds).
     assert launched == [("2026-11-02", _at(3, 2)), ("2026-11-03", _at(4, 8)), ("2026-11-04", _at(5, 14))]
 
 
@@ -182,17 +198,79 @@ def test_a_day_is_considered_from_two_utc_the_day_after_by_the_ticks_own_time(in
     assert _requested(_tick(instance, 3, 2)) == ["2026-11-02"]
 
 
-def test_a_fresh_deployment_or_a_pause_longer_than_a_week_starts_from_the_day_that_just_closed(instance):
+def test_a_fresh_deployment_starts_from_the_day_that_just_closed(instance):
     assert _requested(_tick(instance, 2)) == ["2026-11-01"]  # the first partition: its window is that day alone
-    # Nothing trained or tried: days before the last one may never be meant to train.
+    # No day ever trained or tried: days before the last one may never be meant to train.
     assert _tick(instance, 8).skip_message.startswith(
         "not starting train_and_promote for 2026-11-07: its training window also reads 2026-11-06, where "
         "row_group_cache was never materialized")
     _trained(instance, "2026-11-01")
     assert _requested(_tick(instance, 8)) == ["2026-11-02"]  # closed: 11-01 to 11-07, caught up from 11-02
-    # A pause past CATCH_UP_DAYS: 11-01 is no longer among them, and a day a week old is left to the operator.
-    assert _tick(instance, 10).skip_message.startswith(
-        "not starting train_and_promote for 2026-11-09: its training window also reads 2026-11-08, where")
+
+
+def test_after_a_pause_longer_than_a_week_the_last_seven_days_are_caught_up_oldest_first(instance):
+    _trained(instance, "2026-11-01")
+    # Closed: 11-03 to 11-09, none trained or tried; a day older than a week is left to the operator.
+    assert _tick(instance, 10).skip_message == (
+        "not starting train_and_promote for 2026-11-03: its training window also reads 2026-11-02, where "
+        "row_group_cache was never materialized, so lora_adapter would fail. Backfill assets "
+        "base_model,raw_examples,training_dataset,row_group_cache for partition 2026-11-02; a later tick then starts "
+        "train_and_promote for 2026-11-03. Days after it wait their turn: 2026-11-04, 2026-11-05, 2026-11-06, "
+        "2026-11-07, 2026-11-08, 2026-11-09")
+    instance.report_runless_asset_event(dg.AssetMaterialization("row_group_cache", partition="2026-11-02"))
+    assert _requested(_tick(instance, 10, 3)) == ["2026-11-03"]
+
+
+def test_days_waiting_behind_a_failed_day_keep_their_turn_once_it_leaves_the_last_seven_days(instance):
+    for day in ("2026-11-01", "2026-11-02"):
+        _trained(instance, day)
+    instance.report_run_failed(_launch(instance, _tick(instance, 4)))  # 11-03 failed before its data was built
+    # At 11-11 the failed day has left the last seven closed days (11-04 to 11-10): none of them was tried,
+    # yet the days behind it still wait for its backfill instead of being given up.
+    assert _tick(instance, 11, 3).skip_message == (
+        "not starting train_and_promote for 2026-11-04: its training window also reads 2026-11-03, where "
+        "row_group_cache was never materialized, so lora_adapter would fail. Backfill assets "
+        "base_model,raw_examples,training_dataset,row_group_cache for partition 2026-11-03; a later tick then starts "
+        "train_and_promote for 2026-11-04. Days after it wait their turn: 2026-11-05, 2026-11-06, 2026-11-07, "
+        "2026-11-08, 2026-11-09, 2026-11-10")
+    for asset in ("raw_examples", "training_dataset", "row_group_cache"):  # the operator backfills 11-03
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset, partition="2026-11-03"))
+    assert _requested(_tick(instance, 11, 4)) == ["2026-11-04"]
+
+
+def _asset_backfill(instance: dg.DagsterInstance, backfill_id: str, days: list[str],
+                    asset_names: list[str]) -> PartitionBackfill:
+    """As the UI's Materialize over a date range stores it, before the backfill daemon has launched a run."""
+    asset_graph = defs.resolve_asset_graph()
+    backfill = PartitionBackfill.from_asset_partitions(
+        backfill_id=backfill_id, asset_graph=asset_graph, partition_names=days,
+        asset_selection=[dg.AssetKey(name) for name in asset_names], backfill_timestamp=time.time(), tags={},
+        dynamic_partitions_store=instance, all_partitions=False, title=None, description=None, run_config=None,
+    )
+    instance.add_backfill(backfill)
+    return backfill
+
+
+def test_a_day_an_unfinished_backfill_targets_waits_for_it_even_between_its_runs(instance):
+    _trained(instance, "2026-11-01")
+    # Requested, no run yet: the backfill daemon launches one run per stage of the graph, one after the other.
+    backfill = _asset_backfill(instance, "wholegraph", ["2026-11-02", "2026-11-03"],
+                               [key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()])
+    assert _tick(instance, 4).skip_message == (
+        "not starting train_and_promote for 2026-11-02: backfill wholegraph targets that day and has not finished; "
+        "a later tick reconsiders 2026-11-02 once it has. Days after it wait their turn: 2026-11-03")
+    instance.update_backfill(backfill.with_status(BulkActionStatus.COMPLETED_FAILED))  # it built nothing
+    assert _requested(_tick(instance, 4, 3)) == ["2026-11-02"]
+
+
+def test_a_day_whose_window_day_an_unfinished_backfill_builds_waits_for_it_instead_of_asking_for_one(instance):
+    _trained(instance, "2026-11-01")
+    instance.report_run_failed(instance.create_run_for_job(JOB, tags={"dagster/partition": "2026-11-02"}))
+    _asset_backfill(instance, "data", ["2026-11-02"], ["raw_examples", "training_dataset", "row_group_cache"])
+    assert _tick(instance, 4).skip_message == (
+        "not starting train_and_promote for 2026-11-03: its training window also reads 2026-11-02, whose "
+        "row_group_cache is still being built (2026-11-02: backfill data not finished); a later tick starts "
+        "train_and_promote for 2026-11-03 once it is built")
 
 
 def test_a_day_whose_own_data_is_being_backfilled_waits_for_that_run(instance):
