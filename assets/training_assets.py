@@ -13,7 +13,7 @@ from assets.cache_assets import WarmCache
 from assets.data_assets import refuse_days_that_failed_checks
 from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
-from assets.run_identity import record_this_process
+from assets.run_identity import ended_dagster_run_status, record_this_process
 from resources import MlflowTracker, RowGroupCache, TesseraStorage
 from resources.io_manager import STORED_BEFORE_IT
 from resources.ray_cluster import check_cluster_capacity, connect_unless_connected, gpu_available_in_cluster
@@ -151,6 +151,7 @@ def lora_adapter(
         dagster_run_id=context.run_id, extra_tags={"dagster_partition": context.partition_key},
         before_training=lambda: _connect_and_check(ray_cluster, context, training_config),
         base_digest_records=storage.base_model_digests,
+        run_has_ended=ended_dagster_run_status(context.instance, context.run_id),
     )
     result = tracked.result
     losses = [loss for _, loss in result.loss_history]

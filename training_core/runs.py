@@ -153,11 +153,13 @@ def run_tracked_training(
     before_training: Callable[[], None] | None = None,
     base_digest_records: Path | None = None,
     base_model_checked: bool = False,
+    run_has_ended: Callable[[str], str | None] | None = None,
 ) -> TrackedRun:
     """Reuse a finished run with identical inputs, or train. `before_training` runs only when
     training really starts (the asset connects to Ray there, so a reuse never starts Ray), after
     the checks that need no Ray (`check_before_launch`) passed.
-    ``base_model_checked``: see :func:`check_inputs_are_as_recorded`."""
+    ``base_model_checked``: see :func:`check_inputs_are_as_recorded`; ``run_has_ended``: see
+    :meth:`MlflowTracking.end_abandoned_runs`."""
     lineage = build_lineage_record(
         seed=config.seed,
         data_seed=config.data_seed,
@@ -191,7 +193,7 @@ def run_tracked_training(
     if before_training is not None:
         before_training()
     name = ray_run_name(inputs, lineage, run_name_suffix)
-    for abandoned in tracking.end_abandoned_runs():
+    for abandoned in tracking.end_abandoned_runs(run_has_ended):
         log.warning("MLflow run %s was left RUNNING by a process that is gone: marked KILLED", abandoned)
     run_id = tracking.start_run(name, tags={"method": config.method, **(extra_tags or {})})
     # Said first, so a step that fails (or is stopped) names the MLflow run that holds its lineage.

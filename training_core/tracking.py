@@ -11,6 +11,7 @@ import logging
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from training_core.errors import ConfigError, LineageError
@@ -74,6 +75,21 @@ def restore_credentials_hint(tracking_uri: str) -> str:
     return " (with MLFLOW_TRACKING_URI as configured where this shows ***)"
 
 
+def _why_abandoned(run, run_has_ended: Callable[[str], str | None] | None) -> str | None:
+    """What shows that a RUNNING MLflow run's process can no longer end it (the `ENDED_BY_TAG`
+    value), or None while nothing does."""
+    from training_core.process_identity import process_is_gone
+
+    if process_is_gone(run.data.tags.get(PROCESS_TAG, "")):
+        return "a later run: its process was gone"
+    dagster_run_id = run.data.params.get("dagster_run_id", "")  # the lineage record's; "" outside Dagster
+    if run_has_ended is None or not dagster_run_id:
+        return None
+    if (status := run_has_ended(dagster_run_id)) is None:
+        return None
+    return f"a later run: its Dagster run {dagster_run_id} had ended ({status})"
+
+
 class MlflowTracking:
     def __init__(self, tracking_uri: str, artifact_root: Path, experiment: str = "tessera"):
         from mlflow.tracking import MlflowClient
@@ -101,20 +117,23 @@ class MlflowTracking:
         tags = {PROCESS_TAG: this_process(), **tags}
         return self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
 
-    def end_abandoned_runs(self) -> list[str]:
+    def end_abandoned_runs(self, run_has_ended: Callable[[str], str | None] | None = None) -> list[str]:
         """Mark KILLED the RUNNING runs whose process is gone (killed mid-training: it could not
-        end its run), so the MLflow UI does not show them running forever. Returns their ids."""
+        end its run), so the MLflow UI does not show them running forever. Returns their ids.
+        A process on another host is never judged from here, and on Kubernetes every step pod is
+        one: ``run_has_ended`` (given by the Dagster side) judges those by their lineage's
+        ``dagster_run_id`` instead, returning the status that Dagster run ended with, or None while
+        it is still going or unknown."""
         from mlflow.entities import ViewType
-
-        from training_core.process_identity import process_is_gone
 
         running = self.client.search_runs([self.experiment_id], "attributes.status = 'RUNNING'",
                                           run_view_type=ViewType.ACTIVE_ONLY, max_results=1000)
-        abandoned = [run.info.run_id for run in running
-                     if process_is_gone(run.data.tags.get(PROCESS_TAG, ""))]
-        for run_id in abandoned:
-            self.client.set_tag(run_id, ENDED_BY_TAG, "a later run: its process was gone")
-            self.client.set_terminated(run_id, status="KILLED")
+        abandoned = []
+        for run in running:
+            if (ended_by := _why_abandoned(run, run_has_ended)) is not None:
+                self.client.set_tag(run.info.run_id, ENDED_BY_TAG, ended_by)
+                self.client.set_terminated(run.info.run_id, status="KILLED")
+                abandoned.append(run.info.run_id)
         return abandoned
 
     def log_lineage(self, run_id: str, *, lineage: dict[str, str], config: dict, dataset_paths: list[str],
