@@ -271,7 +271,7 @@ def test_a_committed_export_reads_without_the_attempt_files_its_temporary_folder
     (day / "_SUCCESS").write_text("")
     for source in (str(day), f"file://{day}"):
         caplog.clear()
-        with caplog.at_level("WARNING", logger="training_core.data.sources"):
+        with caplog.at_level("WARNING", logger="training_core.data.source_files"):
             assert [r["prompt"] for r in read_records(source)] == ["a", "b"]
         assert (f"{source}/_temporary holds 1 file(s) left behind by an export that committed (_SUCCESS beside it)"
                 in caplog.text)
@@ -288,7 +288,7 @@ def test_a_committed_export_reads_without_the_attempt_files_its_temporary_folder
         memory.pipe(f"{uri}/_temporary/0/_temporary/attempt_1/part-00001.jsonl", _jsonl("b").encode())
         memory.pipe(f"{uri}/_SUCCESS", b"")
         caplog.clear()
-        with caplog.at_level("WARNING", logger="training_core.data.sources"):
+        with caplog.at_level("WARNING", logger="training_core.data.source_files"):
             assert [r["prompt"] for r in read_records(uri)] == ["a"]
         assert f"{uri}/_temporary holds 1 file(s) left behind by an export that committed" in caplog.text
     finally:
