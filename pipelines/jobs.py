@@ -71,7 +71,7 @@ def _settings_left_on_the_demo(run_config: dict) -> list[str]:
 # (the partitions' timezone); from then the schedule ticks every hour, and each tick starts at most one
 # run: the oldest day still to train whose training window is built, among the last CATCH_UP_DAYS closed
 # days from the first one trained or tried (none of them was: all of them, or the last one only where no
-# day ever was). A tick that cannot start it (an earlier day's row_group_cache still being built, the
+# day ever was). A tick that cannot start it (an earlier day of its window still being built, the
 # daemon down over a tick, a backfill of the day in progress) loses nothing: a later tick starts it.
 # Unchanged inputs reuse the earlier training run instead of retraining.
 EXPORT_LANDED_HOUR = 2
@@ -154,16 +154,23 @@ def _any_day_trained_or_tried(instance: dg.DagsterInstance) -> bool:
 
 
 def _days_in_unfinished_backfills(instance: dg.DagsterInstance, asset_graph) -> dict[str, str]:
-    """{day: id of a backfill not yet finished that targets it, for any asset}. Between the runs of an
-    asset backfill (one per stage of the graph) no run of the day is queued, yet the backfill builds it."""
+    """{day: id of a backfill not yet finished that targets it}, counting this code location's daily
+    assets and jobs only: an instance may serve other code locations, whose backfills build other data.
+    Between the runs of an asset backfill (one per stage of the graph) no run of the day is queued, yet
+    the backfill builds it."""
+    ours = {key for key in asset_graph.get_all_asset_keys() if asset_graph.get(key).partitions_def == DAILY}
     targeted = {}
     for backfill in instance.get_backfills(filters=BulkActionsFilter(statuses=[BulkActionStatus.REQUESTED])):
         if backfill.is_asset_backfill:
+            if not ours & set(backfill.asset_selection or ()):
+                continue  # another code location's assets: its stored target cannot even be read with ours
             target = backfill.get_asset_backfill_data(asset_graph).target_subset
-            days = {day for subset in target.partitions_subsets_by_asset_key.values()
+            days = {day for key, subset in target.partitions_subsets_by_asset_key.items() if key in ours
                     for day in subset.get_partition_keys()}
-        else:  # a job's backfill: one run per partition named
+        elif backfill.job_name == demo_job.name:  # a job's backfill: one run per partition named
             days = set(backfill.partition_names or ())
+        else:
+            continue
         for day in days:
             targeted.setdefault(day, backfill.backfill_id)
     return targeted
@@ -197,23 +204,23 @@ def _why_not_ready(instance: dg.DagsterInstance, day: str, earlier_days: list[st
     if day in backfilled:
         return (f"not starting {demo_job.name} for {day}: backfill {backfilled[day]} targets that day and has not "
                 f"finished; a later tick reconsiders {day} once it has")
-    missing = [earlier for earlier in earlier_days if not _materialized(instance, "row_group_cache", earlier)]
-    if not missing:
-        return None
-    # A run or a backfill of the day is building it (a run does so mid-run, before its training): not a
-    # backfill to launch.
+    # A run or a backfill of an earlier day of the window is still going: wait for it to end, not only for
+    # its row_group_cache (built mid-run, before its training): two trainings at once would each hold the
+    # workers, where no pool limit serialises them (Kubernetes), and their promotions race.
     building = {earlier: f"run {run_id} queued or running"
-                for earlier, run_id in _runs_in_progress(instance, missing).items()}
-    building.update({earlier: f"backfill {backfilled[earlier]} not finished" for earlier in missing
+                for earlier, run_id in _runs_in_progress(instance, earlier_days).items()}
+    building.update({earlier: f"backfill {backfilled[earlier]} not finished" for earlier in earlier_days
                      if earlier in backfilled and earlier not in building})
     if building:
         several = len(building) > 1
         return (
             f"not starting {demo_job.name} for {day}: its training window also reads {', '.join(sorted(building))}, "
-            f"whose row_group_cache {'are' if several else 'is'} still being built "
-            f"({'; '.join(f'{d}: {building[d]}' for d in sorted(building))}); a later tick starts {demo_job.name} "
-            f"for {day} once {'they are' if several else 'it is'} built"
+            f"whose {'runs or backfills are' if several else 'run or backfill is'} still going ({'; '.join(f'{d}: {building[d]}' for d in sorted(building))}); a later tick "
+            f"starts {demo_job.name} for {day} once {'they have' if several else 'it has'} ended"
         )
+    missing = [earlier for earlier in earlier_days if not _materialized(instance, "row_group_cache", earlier)]
+    if not missing:
+        return None
     # The backfill's training_dataset reads base_model: include it where no run has built it yet.
     selection = ([] if instance.fetch_materializations(dg.AssetKey("base_model"), limit=1).records
                  else ["base_model"]) + list(WINDOW_DAY_ASSETS)

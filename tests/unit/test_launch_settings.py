@@ -119,8 +119,8 @@ def test_the_schedule_waits_for_an_earlier_days_run_that_is_still_going_instead_
                                               status=dg.DagsterRunStatus.STARTED)
         assert _tick(instance, 3).skip_message == (
             "not starting train_and_promote for 2026-11-02: its training window also reads 2026-11-01, whose "
-            f"row_group_cache is still being built (2026-11-01: run {running.run_id} queued or running); a later "
-            "tick starts train_and_promote for 2026-11-02 once it is built")
+            f"run or backfill is still going (2026-11-01: run {running.run_id} queued or running); a later "
+            "tick starts train_and_promote for 2026-11-02 once it has ended")
         instance.report_run_failed(running)  # a failed run builds nothing: the backfill is named again
         assert "Backfill assets" in _tick(instance, 3).skip_message
 

@@ -119,12 +119,13 @@ def test_the_catch_up_tick_that_finds_the_day_before_still_running_says_a_later_
         _trained(instance, day)
     run_1105 = _launch(instance, _tick(instance, 6))
     assert _tick(instance, 7).skip_message == (
-        "not starting train_and_promote for 2026-11-06: its training window also reads 2026-11-05, whose "
-        f"row_group_cache is still being built (2026-11-05: run {run_1105.run_id} queued or running); a later tick "
-        "starts train_and_promote for 2026-11-06 once it is built")
+        "not starting train_and_promote for 2026-11-06: its training window also reads 2026-11-05, whose run or "
+        f"backfill is still going (2026-11-05: run {run_1105.run_id} queued or running); a later tick "
+        "starts train_and_promote for 2026-11-06 once it has ended")
 
 
-def test_the_next_day_starts_once_the_day_befores_row_group_cache_is_built_while_that_run_still_trains(instance):
+def test_the_next_day_waits_for_the_day_befores_run_to_end_even_once_its_cache_is_built(instance):
+    # Two trainings at once would each hold the workers where no pool limit serialises them (Kubernetes).
     _trained(instance, "2026-11-01")
     run_1102 = _launch(instance, _tick(instance, 3))
     instance.report_dagster_event(dg.DagsterEvent(dg.DagsterEventType.RUN_START.value, job_name=run_1102.job_name),
@@ -132,8 +133,10 @@ def test_the_next_day_starts_once_the_day_befores_row_group_cache_is_built_while
     for asset in ("raw_examples", "training_dataset", "row_group_cache"):  # its data steps done, training goes on
         instance.report_runless_asset_event(dg.AssetMaterialization(asset, partition="2026-11-02"))
     assert instance.get_run_by_id(run_1102.run_id).status == dg.DagsterRunStatus.STARTED
-    # lora_adapter of 11-03 waits in the training pool of 1 until 11-02's has finished.
-    assert _requested(_tick(instance, 4)) == ["2026-11-03"]
+    assert _tick(instance, 4).skip_message.endswith("a later tick starts train_and_promote for 2026-11-03 once it "
+                                                    "has ended")
+    _succeed(instance, run_1102)
+    assert _requested(_tick(instance, 4, 3)) == ["2026-11-03"]
 
 
 def test_a_training_run_longer_than_a_day_delays_the_next_day_instead_of_dropping_it(instance):
@@ -269,8 +272,8 @@ def test_a_day_whose_window_day_an_unfinished_backfill_builds_waits_for_it_inste
     _asset_backfill(instance, "data", ["2026-11-02"], ["raw_examples", "training_dataset", "row_group_cache"])
     assert _tick(instance, 4).skip_message == (
         "not starting train_and_promote for 2026-11-03: its training window also reads 2026-11-02, whose "
-        "row_group_cache is still being built (2026-11-02: backfill data not finished); a later tick starts "
-        "train_and_promote for 2026-11-03 once it is built")
+        "run or backfill is still going (2026-11-02: backfill data not finished); a later tick starts "
+        "train_and_promote for 2026-11-03 once it has ended")
 
 
 def test_a_day_whose_own_data_is_being_backfilled_waits_for_that_run(instance):
@@ -284,3 +287,22 @@ def test_a_day_whose_own_data_is_being_backfilled_waits_for_that_run(instance):
     instance.report_dagster_event(dg.DagsterEvent(dg.DagsterEventType.RUN_SUCCESS.value, job_name=backfill.job_name),
                                   run_id=backfill.run_id)
     assert _requested(_tick(instance, 3, 3)) == ["2026-11-02"]
+
+
+def test_a_backfill_of_another_code_locations_daily_asset_does_not_hold_a_day_back(instance):
+    """An instance may serve other code locations: their backfills build their own data, not Tessera's."""
+    from assets.partitions import DAILY
+
+    @dg.asset(partitions_def=DAILY)
+    def orders():
+        return None
+
+    other_location = dg.Definitions(assets=[orders]).resolve_asset_graph()
+    _trained(instance, "2026-11-01")
+    for all_partitions in (False, True):
+        instance.add_backfill(PartitionBackfill.from_asset_partitions(
+            backfill_id=f"orders-{all_partitions}", asset_graph=other_location,
+            partition_names=None if all_partitions else ["2026-11-02"], asset_selection=[dg.AssetKey("orders")],
+            backfill_timestamp=time.time(), tags={}, dynamic_partitions_store=instance, all_partitions=all_partitions,
+            title=None, description=None, run_config=None))
+    assert _requested(_tick(instance, 3)) == ["2026-11-02"]
