@@ -31,8 +31,7 @@ class RawExamplesConfig(dg.Config):
         description="'demo' generates the cipher task from the partition key; otherwise a JSONL/CSV/Parquet "
         "file or folder (a path, or a URI such as s3://bucket/exports/) with `prompt` and `response` fields; "
         ".jsonl/.ndjson/.json/.csv may be gzipped (.gz), and a folder must hold only such files (hidden and "
-        "_-prefixed names are skipped; a _temporary/ holding files, an export still being written, is refused "
-        "unless _SUCCESS beside it says the export committed). "
+        "_-prefixed names are skipped; a _temporary/ holding files, an export still being written, is refused). "
         "'{partition}' is replaced by the day.",
         min_length=1,
     )

@@ -259,23 +259,23 @@ def test_an_export_still_being_written_is_refused_naming_its_temporary_folder(tm
         memory.rm(f"memory://tessera-{tmp_path.name}", recursive=True)
 
 
-def test_a_committed_export_reads_without_the_attempt_files_its_temporary_folder_kept(tmp_path, caplog):
-    """A job that committed (`_SUCCESS` written) leaves a failed task attempt's files below `_temporary/`
-    where its cleanup is skipped or fails: they are no part of the export, so it is read without them,
-    with a warning; a `_temporary/` whose own folder has no `_SUCCESS` is still refused."""
+def test_temporary_files_beside_success_are_refused_naming_both_of_their_causes(tmp_path):
+    """`_SUCCESS` beside a `_temporary/` holding files does not tell a committed job whose cleanup failed
+    from a later job appending to the folder, still writing: refused, saying what to do in each case."""
     day = tmp_path / "exports" / "2026-11-05"
     attempt = day / "_temporary" / "0" / "_temporary" / "attempt_0001_m_000003_1"
     attempt.mkdir(parents=True)
-    (attempt / "part-00003.jsonl").write_text(_jsonl("failed attempt"))
+    (attempt / "part-00003.jsonl").write_text(_jsonl("attempt"))
     (day / "part-00000.jsonl").write_text(_jsonl("a", "b"))
     (day / "_SUCCESS").write_text("")
+    both = (r" holds 1 file\(s\) beside _SUCCESS: either a committed export's cleanup left them \(remove _temporary\), "
+            r"or a later job appending to .* is still writing them \(wait for it to commit\)")
     for source in (str(day), f"file://{day}"):
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="training_core.data.source_files"):
-            assert [r["prompt"] for r in read_records(source)] == ["a", "b"]
-        assert (f"{source}/_temporary holds 1 file(s) left behind by an export that committed (_SUCCESS beside it)"
-                in caplog.text)
-    nested = day / "sub" / "_temporary" / "0"
+        with pytest.raises(SourceDataError, match=rf"^{source}/_temporary{both}"):
+            read_records(source)
+    (day / "_temporary" / "0" / "_temporary" / "attempt_0001_m_000003_1" / "part-00003.jsonl").unlink()
+    assert [r["prompt"] for r in read_records(day)] == ["a", "b"]  # an empty _temporary is left behind
+    nested = day / "sub" / "_temporary" / "0"  # no _SUCCESS in sub/: still being written
     nested.mkdir(parents=True)
     (nested / "part-00001.jsonl").write_text(_jsonl("c"))
     with pytest.raises(SourceDataError, match=rf"^{day}/sub/_temporary holds 1 file\(s\): an export still being"):
@@ -287,10 +287,8 @@ def test_a_committed_export_reads_without_the_attempt_files_its_temporary_folder
         memory.pipe(f"{uri}/part-00000.jsonl", _jsonl("a").encode())
         memory.pipe(f"{uri}/_temporary/0/_temporary/attempt_1/part-00001.jsonl", _jsonl("b").encode())
         memory.pipe(f"{uri}/_SUCCESS", b"")
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="training_core.data.source_files"):
-            assert [r["prompt"] for r in read_records(uri)] == ["a"]
-        assert f"{uri}/_temporary holds 1 file(s) left behind by an export that committed" in caplog.text
+        with pytest.raises(SourceDataError, match=rf"^{uri}/_temporary{both}"):
+            read_records(uri)
     finally:
         memory.rm(f"memory://tessera-{tmp_path.name}", recursive=True)
 

@@ -2,15 +2,14 @@
 `gs://…`, `file:///…`, `memory://…`); a folder is searched recursively. Hidden (`.`) and underscore
 (`_SUCCESS`, `_temporary/`) names are skipped; any other file that is not a supported data file is
 refused by name, so that no part of a day's export is left out without a word, and so is a folder
-whose `_temporary/` holds files: an export still being written, unless `_SUCCESS` beside it says the
-export committed (its leftover attempt files are then not read, with a warning). On local disk (a
+whose `_temporary/` holds files: an export still being written (beside `_SUCCESS`, a committed
+export's leftovers or a later job appending: the message names both). On local disk (a
 path or `file://`) links are followed, as the Parquet reader follows them: a folder or file linked
 into the export is part of it, a folder reached twice through links is read once, and a link to
 nothing is refused by name."""
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,8 +29,6 @@ from training_core.data.local_folders import (
 )
 from training_core.errors import SourceDataError
 from training_core.redaction import redact_uri
-
-log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv")  # each may also end in .gz
 SUPPORTED_SUFFIXES = (*TEXT_SUFFIXES, ".parquet")
@@ -98,20 +95,27 @@ def chainable_unless_credentials(error: Exception) -> Exception | None:
 def _refuse_uncommitted_export(shown: str, files_in: dict[str, int], is_file: Callable[[str], bool]) -> None:
     """Refuse a source folder where `files_in` (the path of each `_temporary` folder relative to the
     source, with the number of files below it) is not empty: reading it would train on the files
-    committed so far only. A `_temporary` whose folder holds `_SUCCESS` (`is_file` takes a path
-    relative to the source) was left by a job that committed: its files are no part of the export."""
+    committed so far only. `_SUCCESS` beside a `_temporary` (`is_file` takes a path relative to the
+    source) does not settle it: a committed job whose cleanup failed leaves attempt files there, but so
+    does a later job appending to the folder, still writing; the message names both."""
     held = {folder: count for folder, count in files_in.items() if count}
-    for folder in [folder for folder in held if is_file(str(PurePosixPath(folder).parent / COMMITTED_EXPORT_MARKER))]:
-        log.warning("%s/%s holds %d file(s) left behind by an export that committed (%s beside it): "
-                    "they are not part of it and are not read", shown.rstrip("/"), folder, held.pop(folder),
-                    COMMITTED_EXPORT_MARKER)
-    if held:
-        folders = "; ".join(f"{shown.rstrip('/')}/{folder} holds {count} file(s)" for folder, count in held.items())
+    if not held:
+        return
+    root = shown.rstrip("/")
+    committed = [folder for folder in held if is_file(str(PurePosixPath(folder).parent / COMMITTED_EXPORT_MARKER))]
+    if writing := [folder for folder in held if folder not in committed]:
         raise SourceDataError(
-            f"{folders}: an export still being written (its job moves them out of {UNCOMMITTED_EXPORT_FOLDER}/ "
-            f"when it commits), so {shown} holds part of its records only. Wait for the export to commit, "
-            f"or remove {UNCOMMITTED_EXPORT_FOLDER} if the job writing it is gone"
+            f"{'; '.join(f'{root}/{folder} holds {held[folder]} file(s)' for folder in writing)}: an export still "
+            f"being written (its job moves them out of {UNCOMMITTED_EXPORT_FOLDER}/ when it commits), so {shown} holds "
+            f"part of its records only. Wait for the export to commit, or remove {UNCOMMITTED_EXPORT_FOLDER} if the "
+            "job writing it is gone"
         )
+    raise SourceDataError(
+        f"{'; '.join(f'{root}/{folder} holds {held[folder]} file(s)' for folder in committed)} beside "
+        f"{COMMITTED_EXPORT_MARKER}: either a committed export's cleanup left them (remove "
+        f"{UNCOMMITTED_EXPORT_FOLDER}), or a later job appending to {shown} is still writing them (wait for it to "
+        "commit); read now, the day would train on part of its records"
+    )
 
 
 def _list_local(path: Path, shown_as: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
