@@ -86,7 +86,7 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
     @dg.schedule(
         job=demo_job, name="daily_retrain", cron_schedule=f"0 {EXPORT_LANDED_HOUR}-23 * * *",
         execution_timezone="UTC",
-        description=f"hourly from {EXPORT_LANDED_HOUR:02}:00 UTC, train the oldest of the last {CATCH_UP_DAYS} "
+        description=f"hourly from {EXPORT_LANDED_HOUR:02}:00 to 23:00 UTC, train the oldest of the last {CATCH_UP_DAYS} "
                     f"closed days not yet trained (or tried) whose training window is built and that no run or backfill "
                     f"is building (no day ever trained: the last one only), with the run config in ${RUN_CONFIG_ENV} "
                     f"(unset: {unset})",
@@ -112,6 +112,9 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
             since = 0 if _any_day_trained_or_tried(context.instance) else len(recent) - 1
         candidates = [day for day, done in zip(recent[since:], tried[since:]) if not done]
         if not candidates:
+            if going := _runs_in_progress(context.instance, recent[since:]):
+                return dg.SkipReason("nothing new to start: " + "; ".join(
+                    f"run {run_id} of {day} is still queued or running" for day, run_id in sorted(going.items())))
             return dg.SkipReason(
                 f"nothing to start: each closed day from {recent[since]} to {recent[-1]} has lora_adapter materialized "
                 f"or a run of {demo_job.name} (a day whose run failed is not retried: relaunch it by hand)")
