@@ -86,10 +86,10 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
     @dg.schedule(
         job=demo_job, name="daily_retrain", cron_schedule=f"0 {EXPORT_LANDED_HOUR}-23 * * *",
         execution_timezone="UTC",
-        description=f"hourly from {EXPORT_LANDED_HOUR:02}:00 to 23:00 UTC, train the oldest of the last {CATCH_UP_DAYS} "
-                    f"closed days not yet trained (or tried) whose training window is built and that no run or backfill "
-                    f"is building (no day ever trained: the last one only), with the run config in ${RUN_CONFIG_ENV} "
-                    f"(unset: {unset})",
+        description=f"hourly from {EXPORT_LANDED_HOUR:02}:00 to 23:00 UTC, train the oldest of the last "
+                    f"{CATCH_UP_DAYS} closed days not yet trained (or tried) whose training window is built and that "
+                    f"no run or backfill is building (no day ever trained: the last one only), with the run config in "
+                    f"${RUN_CONFIG_ENV} (unset: {unset})",
     )
     def daily_retrain_schedule(context: dg.ScheduleEvaluationContext):
         # The tick's own time, never the clock: the daemon evaluates missed ticks late, when it catches up.
@@ -218,8 +218,9 @@ def _why_not_ready(instance: dg.DagsterInstance, day: str, earlier_days: list[st
         several = len(building) > 1
         return (
             f"not starting {demo_job.name} for {day}: its training window also reads {', '.join(sorted(building))}, "
-            f"whose {'runs or backfills are' if several else 'run or backfill is'} still going ({'; '.join(f'{d}: {building[d]}' for d in sorted(building))}); a later tick "
-            f"starts {demo_job.name} for {day} once {'they have' if several else 'it has'} ended"
+            f"whose {'runs or backfills are' if several else 'run or backfill is'} still going "
+            f"({'; '.join(f'{d}: {building[d]}' for d in sorted(building))}); a later tick starts {demo_job.name} "
+            f"for {day} once {'they have' if several else 'it has'} ended"
         )
     missing = [earlier for earlier in earlier_days if not _materialized(instance, "row_group_cache", earlier)]
     if not missing:

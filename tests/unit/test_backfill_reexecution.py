@@ -2,8 +2,8 @@
 
 lora_adapter ends without output, the reason a warning in the run, and evaluation and promoted_model
 are skipped: the day keeps its earlier materializations, its gates record no verdict (shown skipped),
-and the backfill ends failed listing the day. Re-executing skips it again: the run's "Re-execute" (a new run carrying only parent and root
-run ids once the backfill has finished) and the backfill page's "Re-execute" (a new backfill over what
+and the backfill ends failed listing the day. Re-executing skips it again: the run's "Re-execute" (a
+new run carrying only parent and root run ids once the backfill has finished) and the backfill page's "Re-execute" (a new backfill over what
 did not materialize, which no longer holds the range's data). Dagster's own GraphQL mutations and
 backfill daemon iteration on an in-process code location; runs execute in this process and are
 skipped before any work, so nothing trains."""
