@@ -114,7 +114,7 @@ def _refuse_uncommitted_export(shown: str, files_in: dict[str, int], is_file: Ca
         f"{'; '.join(f'{root}/{folder} holds {held[folder]} file(s)' for folder in committed)} beside "
         f"{COMMITTED_EXPORT_MARKER}: either a committed export's cleanup left them (remove "
         f"{UNCOMMITTED_EXPORT_FOLDER}), or a later job appending to {shown} is still writing them (wait for it to "
-        "commit); read now, the day would train on part of its records"
+        "commit); read now, the day could train on part of its records"
     )
 
 
