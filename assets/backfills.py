@@ -18,13 +18,11 @@ which no longer holds the data the first one built. Both would otherwise train t
 
 from __future__ import annotations
 
-from datetime import date, timedelta
-
 import dagster as dg
 from dagster._core.execution.backfill import PartitionBackfill
 from dagster._core.storage.tags import BACKFILL_ID_TAG, ROOT_BACKFILL_ID_TAG, ROOT_RUN_ID_TAG
 
-from assets.partitions import TRAINING_WINDOW_DAYS
+from assets.partitions import earlier_window_days
 
 # What the training window reads of each day: lora_adapter its warmed cache, evaluation its dataset.
 WINDOW_DATA_ASSETS = (dg.AssetKey("training_dataset"), dg.AssetKey("row_group_cache"))
@@ -54,7 +52,7 @@ def day_added_beyond_backfill_range(instance: dg.DagsterInstance, run_tags: dict
     built_days = {built_day for key in WINDOW_DATA_ASSETS
                   if (built := target.partitions_subsets_by_asset_key.get(key)) is not None
                   for built_day in built.get_partition_keys()}
-    earlier = [earlier_day for earlier_day in _earlier_window_days(day) if earlier_day in built_days]
+    earlier = [earlier_day for earlier_day in earlier_window_days(day) if earlier_day in built_days]
     if day in built_days or not earlier:
         return None
     held = ", ".join(earlier)
@@ -79,8 +77,3 @@ def _original_backfill(instance: dg.DagsterInstance, run_tags: dict[str, str]) -
     backfill = instance.get_backfill(backfill_id) if backfill_id else None
     root_backfill_id = backfill.tags.get(ROOT_BACKFILL_ID_TAG) if backfill else None
     return instance.get_backfill(root_backfill_id) if root_backfill_id else backfill
-
-
-def _earlier_window_days(day: str) -> list[str]:
-    """The days before `day` in its training window, latest first."""
-    return [(date.fromisoformat(day) - timedelta(days=back)).isoformat() for back in range(1, TRAINING_WINDOW_DAYS)]

@@ -1,5 +1,5 @@
 import warnings
-from datetime import date
+from datetime import date, timedelta
 
 import dagster as dg
 
@@ -20,6 +20,13 @@ with warnings.catch_warnings():
         start_offset=-(TRAINING_WINDOW_DAYS - 1), end_offset=0, allow_nonexistent_upstream_partitions=True
     )
 
+
+
+def earlier_window_days(day: str) -> list[str]:
+    """The days before `day` in its training window, oldest first; none before the first partition."""
+    first, current = date.fromisoformat(DAILY.get_first_partition_key()), date.fromisoformat(day)
+    earlier = (current - timedelta(days=back) for back in range(TRAINING_WINDOW_DAYS - 1, 0, -1))
+    return [earlier_day.isoformat() for earlier_day in earlier if earlier_day >= first]
 
 def daily_blocking_check(name: str, asset: str, description: str) -> dg.AssetCheckSpec:
     """A blocking check of a DAILY asset whose verdicts are stored under the day checked. Without the

@@ -8,7 +8,7 @@ import dagster as dg
 import yaml
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
 
-from assets.partitions import DAILY, TRAINING_WINDOW_DAYS
+from assets.partitions import DAILY, earlier_window_days
 from training_core.errors import ConfigError
 
 # The whole graph for one day: what `tessera demo`, a UI launch and the schedule materialize.
@@ -122,9 +122,7 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
         oldest_blocked = None
         for day in candidates:
             # The run materializes its own day only; lora_adapter also reads the window's earlier days.
-            position = closed_days.index(day)
-            earlier_days = closed_days[max(0, position - TRAINING_WINDOW_DAYS + 1):position]
-            blocked = _why_not_ready(context.instance, day, earlier_days, backfilled, run_config_file)
+            blocked = _why_not_ready(context.instance, day, earlier_window_days(day), backfilled, run_config_file)
             if blocked is None:
                 if oldest_blocked:
                     context.log.info(f"starting {demo_job.name} for {day}; older days wait: {oldest_blocked}")
