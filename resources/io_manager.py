@@ -99,15 +99,21 @@ def _never_materialized(context: dg.InputContext, which: str, path, day: str | N
             f"at {path}); {fix}" + _added_by_an_asset_backfill(context, which))
 
 
+
+def _step_context(context: dg.InputContext):
+    """The step's execution context, or None for an input context built outside a run."""
+    try:
+        return context.step_context
+    except dg.DagsterInvariantViolationError:
+        return None
+
 def _daily_assets_this_step_reads_for(context: dg.InputContext, day: str) -> list[str]:
     """The daily assets this step reads for `day` and those they are built from (row_group_cache from
     training_dataset from raw_examples), in the order they are built: none may exist for a day outside
     every backfill so far, and naming only the input that failed first leaves the next one to fail.
     Those already materialized for `day` are left out (rebuilding raw_examples re-reads an export that
     retention may have deleted), except the input that failed: its stored value is missing regardless."""
-    try:
-        step = context.step_context
-    except dg.DagsterInvariantViolationError:  # a context built outside a run
+    if (step := _step_context(context)) is None:
         return []
     asset_layer = step.job_def.asset_layer
     try:  # the run's job holds the assets its selection left out as stubs, without their partitions
@@ -136,9 +142,7 @@ def _added_by_an_asset_backfill(context: dg.InputContext, which: str) -> str:
     (assets/backfills.py): the day's own data, missing here, was never part of that backfill."""
     if not which:  # an unpartitioned input: no window, no added day
         return ""
-    try:
-        step = context.step_context
-    except dg.DagsterInvariantViolationError:  # a context built outside a run
+    if (step := _step_context(context)) is None:
         return ""
     day = step.run_tags.get(PARTITION_NAME_TAG)
     if not day:
