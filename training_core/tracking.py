@@ -220,6 +220,13 @@ class MlflowTracking:
         )
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        """End the run with ``status``. A run that another process's sweep (:meth:`end_abandoned_runs`)
+        marked KILLED while it still ran, and that ends now by itself, loses that sweep's `tessera.ended_by`
+        tag: it would tell whoever reads a FINISHED (or FAILED) run that something stopped it."""
+        if status != "KILLED" and (swept_by := self.client.get_run(run_id).data.tags.get(ENDED_BY_TAG)):
+            log.warning("MLflow run %s was marked KILLED (by %s) while it still ran: it ended %s by itself",
+                        run_id, swept_by, status)
+            self.client.delete_tag(run_id, ENDED_BY_TAG)
         self.client.set_terminated(run_id, status=status)
 
     def end_failed_run(self, run_id: str, error: BaseException) -> None:

@@ -70,3 +70,27 @@ def test_the_next_training_ends_the_run_of_a_killed_step_pod(tmp_path: Path):
 
         assert tracking.end_abandoned_runs(ended_dagster_run_status(instance, "training-now")) == [killed]
     assert (_status(tracking, killed), _status(tracking, running)) == ("KILLED", "RUNNING")
+
+
+def test_a_run_marked_killed_while_it_still_ran_drops_the_sweeps_tag_when_it_finishes(tmp_path: Path, caplog):
+    """Dagster can end a run whose step pod still trains (run monitoring lost its heartbeat): the
+    sweep marks its MLflow run KILLED, and the pod then ends it FINISHED itself. A FINISHED run
+    saying something stopped it would send whoever reads it looking for a kill that did not happen."""
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    still_training = _pod_run(tracking, "dagster-monitoring-failed")
+    assert tracking.end_abandoned_runs({"dagster-monitoring-failed": "FAILURE"}.get) == [still_training]
+
+    with caplog.at_level("WARNING", logger="training_core.tracking"):
+        tracking.end_run(still_training)
+
+    run = tracking.client.get_run(still_training)
+    assert (run.info.status, ENDED_BY_TAG in run.data.tags) == ("FINISHED", False)
+    assert f"MLflow run {still_training} was marked KILLED (by a later run" in caplog.text
+
+
+def test_a_run_stopped_from_outside_keeps_the_tag_naming_what_stopped_it(tmp_path: Path):
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    run_id = _pod_run(tracking, "dagster-terminated")
+    tracking.end_interrupted_run(run_id, "SIGTERM")
+    run = tracking.client.get_run(run_id)
+    assert (run.info.status, run.data.tags[ENDED_BY_TAG]) == ("KILLED", "an interruption: SIGTERM")
