@@ -21,12 +21,19 @@ with warnings.catch_warnings():
     )
 
 
-
 def earlier_window_days(day: str) -> list[str]:
     """The days before `day` in its training window, oldest first; none before the first partition."""
     first, current = date.fromisoformat(DAILY.get_first_partition_key()), date.fromisoformat(day)
     earlier = (current - timedelta(days=back) for back in range(TRAINING_WINDOW_DAYS - 1, 0, -1))
     return [earlier_day.isoformat() for earlier_day in earlier if earlier_day >= first]
+
+
+def materialized_for_day(instance: dg.DagsterInstance, asset: dg.AssetKey | str, day: str) -> bool:
+    """Whether `asset` was ever materialized for the partition `day` (a later failed run does not undo it)."""
+    key = asset if isinstance(asset, dg.AssetKey) else dg.AssetKey(asset)
+    return bool(instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=key, asset_partitions=[day]), limit=1).records)
+
 
 def daily_blocking_check(name: str, asset: str, description: str) -> dg.AssetCheckSpec:
     """A blocking check of a DAILY asset whose verdicts are stored under the day checked. Without the

@@ -8,7 +8,7 @@ import dagster as dg
 import yaml
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
 
-from assets.partitions import DAILY, earlier_window_days
+from assets.partitions import DAILY, earlier_window_days, materialized_for_day
 from training_core.errors import ConfigError
 
 # The whole graph for one day: what `tessera demo`, a UI launch and the schedule materialize.
@@ -136,15 +136,10 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
     return daily_retrain_schedule
 
 
-def _materialized(instance: dg.DagsterInstance, asset: str, day: str) -> bool:
-    return bool(instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[day]), limit=1).records)
-
-
 def _trained_or_tried(instance: dg.DagsterInstance, day: str) -> bool:
     """Whether `day` has a lora_adapter, or ever had a run of the job, whatever its status: a failed day
     is relaunched by an operator, since failing again every hour would loop."""
-    return _materialized(instance, "lora_adapter", day) or bool(instance.get_runs(
+    return materialized_for_day(instance, "lora_adapter", day) or bool(instance.get_runs(
         filters=dg.RunsFilter(job_name=demo_job.name, tags={"dagster/partition": day}), limit=1))
 
 
@@ -220,7 +215,7 @@ def _why_not_ready(instance: dg.DagsterInstance, day: str, earlier_days: list[st
             f"({'; '.join(f'{d}: {building[d]}' for d in sorted(building))}); a later tick starts {demo_job.name} "
             f"for {day} once {'they have' if several else 'it has'} ended"
         )
-    missing = [earlier for earlier in earlier_days if not _materialized(instance, "row_group_cache", earlier)]
+    missing = [earlier for earlier in earlier_days if not materialized_for_day(instance, "row_group_cache", earlier)]
     if not missing:
         return None
     # The backfill's training_dataset reads base_model: include it where no run has built it yet.

@@ -15,6 +15,7 @@ from dagster._check import CheckError
 from dagster._core.storage.fs_io_manager import PickledObjectFilesystemIOManager
 from dagster._core.storage.tags import PARTITION_NAME_TAG
 
+from assets.partitions import materialized_for_day
 from training_core.storage import flush_file, sync_directory
 
 
@@ -129,12 +130,7 @@ def _daily_assets_this_step_reads_for(context: dg.InputContext, day: str) -> lis
     failed = context.asset_key if context.has_asset_key else None
     return [key.to_user_string() for key in graph.toposorted_asset_keys
             if key in read and graph.get(key).partitions_def is not None
-            and (key == failed or not _materialized_for(step.instance, key, day))]
-
-
-def _materialized_for(instance: dg.DagsterInstance, key: dg.AssetKey, day: str) -> bool:
-    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[day]), limit=1)
-    return bool(records.records)
+            and (key == failed or not materialized_for_day(step.instance, key, day))]
 
 
 def _added_by_an_asset_backfill(context: dg.InputContext, which: str) -> str:
