@@ -173,8 +173,14 @@ def free_slots(args: argparse.Namespace) -> int:
     return 0
 
 
+def _not_shown_by_dagster(record: logging.LogRecord) -> bool:
+    return not hasattr(record, "dagster_meta")  # set by Dagster's handler of its managed python loggers
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # a step's lines the instance's dagster.yaml hands to Dagster's
+        handler.addFilter(_not_shown_by_dagster)  # log are printed by Dagster's console logger: not twice
     parser = argparse.ArgumentParser(prog="tessera", description="Reproducible LLM fine-tuning pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="materialize the whole asset graph on embedded defaults")

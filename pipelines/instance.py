@@ -25,6 +25,11 @@ concurrency:
   pools:
     # Only lora_adapter uses a pool ("training"): at most this many trainings at once.
     default_limit: 1
+python_logs:
+  # training_core's INFO lines (the MLflow run a step started or reused, checkpoints removed) in the run's log.
+  managed_python_loggers:
+    - training_core
+  python_log_level: INFO
 """
 
 

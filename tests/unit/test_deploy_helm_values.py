@@ -78,6 +78,17 @@ def test_helm_values_use_only_keys_the_dagster_chart_defines():
     coordinator = HELM_VALUES["dagsterDaemon"]["runCoordinator"]
     assert set(coordinator) <= CHART_DAEMON_RUN_COORDINATOR
     assert set(coordinator["config"]["queuedRunCoordinator"]) <= CHART_QUEUED_RUN_COORDINATOR
+    assert set(HELM_VALUES["pythonLogs"]) <= {"pythonLogLevel", "managedPythonLoggers", "dagsterHandlerConfig"}
+
+
+def test_the_cluster_instance_logs_training_cores_lines_as_the_local_one_does():
+    import yaml
+
+    from pipelines.instance import INSTANCE_SETTINGS
+
+    local = yaml.safe_load(INSTANCE_SETTINGS)["python_logs"]
+    assert HELM_VALUES["pythonLogs"] == {"managedPythonLoggers": local["managed_python_loggers"],
+                                         "pythonLogLevel": local["python_log_level"]}
 
 
 def test_k8s_run_launcher_values_are_fields_of_the_installed_k8s_run_launcher():

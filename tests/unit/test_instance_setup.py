@@ -85,3 +85,38 @@ def test_an_operators_own_dagster_yaml_is_kept_as_it_is(tmp_path, state_env, own
     prepare_home(str(tmp_path))
     assert settings.read_text() == own
     assert [p.name for p in settings.parent.iterdir()] == ["dagster.yaml"]
+
+
+def test_training_cores_info_lines_reach_the_runs_dagster_log_once_on_the_terminal(tmp_path, state_env):
+    """Which MLflow run a step started or reused is an INFO line of training_core: the instance hands it
+    to the run's Dagster log (the UI shows it), and the CLI's own handler leaves it to Dagster's printing."""
+    import logging
+
+    import dagster as dg
+
+    from pipelines.cli import _not_shown_by_dagster
+    from pipelines.instance import load_instance, prepare_home
+
+    @dg.asset
+    def trained():
+        logging.getLogger("training_core.runs").info("MLflow run abc123 started")
+        logging.getLogger("elsewhere").warning("a line of another library")
+
+    printed: list[str] = []
+    terminal = logging.Handler(logging.INFO)
+    terminal.emit = lambda record: printed.append(record.getMessage())
+    terminal.addFilter(_not_shown_by_dagster)
+    root = logging.getLogger()
+    root.addHandler(terminal)
+    prepare_home(str(tmp_path))
+    instance = load_instance()
+    try:
+        run_id = dg.materialize([trained], instance=instance).run_id
+        logged = [entry.user_message for entry in instance.all_logs(run_id)]
+    finally:
+        root.removeHandler(terminal)
+        instance.dispose()
+    assert [message for message in logged if "abc123" in message] == ["MLflow run abc123 started"]
+    assert not any("another library" in message for message in logged)
+    assert [message for message in printed if "abc123" in message or "another library" in message] == [
+        "a line of another library"]
