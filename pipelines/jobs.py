@@ -1,6 +1,7 @@
 """Jobs and schedules over the asset graph."""
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -78,6 +79,19 @@ EXPORT_LANDED_HOUR = 2
 CATCH_UP_DAYS = 7
 
 
+@dataclass(frozen=True)
+class OurDailyAssets:
+    """This code location's daily asset keys and its repository (whose jobs a run without a selection ran)."""
+    keys: frozenset[dg.AssetKey]
+    repository: dg.RepositoryDefinition
+
+    @classmethod
+    def of(cls, repository: dg.RepositoryDefinition) -> "OurDailyAssets":
+        graph = repository.asset_graph
+        return cls(frozenset(key for key in graph.get_all_asset_keys() if graph.get(key).partitions_def == DAILY),
+                   repository)
+
+
 def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefinition:
     """The `daily_retrain` schedule. The local code location may run it on the embedded defaults
     (the demo); the Kubernetes one passes False, so an unset TESSERA_RUN_CONFIG fails the tick."""
@@ -111,18 +125,20 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
         else:
             since = 0 if _any_day_trained_or_tried(context.instance) else len(recent) - 1
         candidates = [day for day, done in zip(recent[since:], tried[since:]) if not done]
+        ours = OurDailyAssets.of(context.repository_def)
         if not candidates:
-            if going := _runs_in_progress(context.instance, recent[since:]):
+            if going := _runs_in_progress(context.instance, recent[since:], ours):
                 return dg.SkipReason("nothing new to start: " + "; ".join(
                     f"run {run_id} of {day} is still queued or running" for day, run_id in sorted(going.items())))
             return dg.SkipReason(
                 f"nothing to start: each closed day from {recent[since]} to {recent[-1]} has lora_adapter materialized "
                 f"or a run of {demo_job.name} (a day whose run failed is not retried: relaunch it by hand)")
-        backfilled = _days_in_unfinished_backfills(context.instance, context.repository_def.asset_graph)
+        backfilled = _days_in_unfinished_backfills(context.instance, ours)
         oldest_blocked = None
         for day in candidates:
             # The run materializes its own day only; lora_adapter also reads the window's earlier days.
-            blocked = _why_not_ready(context.instance, day, earlier_window_days(day), backfilled, run_config_file)
+            blocked = _why_not_ready(context.instance, day, earlier_window_days(day), backfilled, ours,
+                                     run_config_file)
             if blocked is None:
                 if oldest_blocked:
                     context.log.info(f"starting {demo_job.name} for {day}; older days wait: {oldest_blocked}")
@@ -149,19 +165,18 @@ def _any_day_trained_or_tried(instance: dg.DagsterInstance) -> bool:
                 or instance.get_runs(filters=dg.RunsFilter(job_name=demo_job.name), limit=1))
 
 
-def _days_in_unfinished_backfills(instance: dg.DagsterInstance, asset_graph) -> dict[str, str]:
+def _days_in_unfinished_backfills(instance: dg.DagsterInstance, ours: OurDailyAssets) -> dict[str, str]:
     """{day: id of a backfill not yet finished that targets it}, counting this code location's daily
     assets and jobs only: an instance may serve other code locations, whose backfills build other data.
     Between the runs of an asset backfill (one per stage of the graph) no run of the day is queued, yet
     the backfill builds it."""
-    ours = {key for key in asset_graph.get_all_asset_keys() if asset_graph.get(key).partitions_def == DAILY}
     targeted = {}
     for backfill in instance.get_backfills(filters=BulkActionsFilter(statuses=[BulkActionStatus.REQUESTED])):
         if backfill.is_asset_backfill:
-            if not ours & set(backfill.asset_selection or ()):
+            if not ours.keys & set(backfill.asset_selection or ()):
                 continue  # another code location's assets: its stored target cannot even be read with ours
-            target = backfill.get_asset_backfill_data(asset_graph).target_subset
-            days = {day for key, subset in target.partitions_subsets_by_asset_key.items() if key in ours
+            target = backfill.get_asset_backfill_data(ours.repository.asset_graph).target_subset
+            days = {day for key, subset in target.partitions_subsets_by_asset_key.items() if key in ours.keys
                     for day in subset.get_partition_keys()}
         elif backfill.job_name == demo_job.name:  # a job's backfill: one run per partition named
             days = set(backfill.partition_names or ())
@@ -172,16 +187,21 @@ def _days_in_unfinished_backfills(instance: dg.DagsterInstance, asset_graph) -> 
     return targeted
 
 
-def _runs_in_progress(instance: dg.DagsterInstance, days: list[str]) -> dict[str, str]:
-    """{day: id of a run of that partition that is queued or running} for the days that have one."""
+def _runs_in_progress(instance: dg.DagsterInstance, days: list[str], ours: OurDailyAssets) -> dict[str, str]:
+    """{day: id of a run of that partition that is queued or running} for the days that have one. An instance
+    may serve other code locations: a run that selects assets, none of them ours, or no assets but a job this
+    code location lacks, builds other data of that day."""
     unfinished = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
                   dg.DagsterRunStatus.STARTED]
     building = {}
     for day in days:
-        runs = instance.get_runs(filters=dg.RunsFilter(tags={"dagster/partition": day}, statuses=unfinished), limit=1)
-        if runs:
-            building[day] = runs[0].run_id
+        for run in instance.get_runs(filters=dg.RunsFilter(tags={"dagster/partition": day}, statuses=unfinished)):
+            if (ours.keys & run.asset_selection if run.asset_selection is not None
+                    else ours.repository.has_job(run.job_name)):
+                building[day] = run.run_id
+                break
     return building
+
 
 
 # What a training window reads from an earlier day: its warmed cache (and the dataset behind it).
@@ -189,12 +209,12 @@ WINDOW_DAY_ASSETS = ("raw_examples", "training_dataset", "row_group_cache")
 
 
 def _why_not_ready(instance: dg.DagsterInstance, day: str, earlier_days: list[str], backfilled: dict[str, str],
-                   run_config_file: str | None) -> str | None:
+                   ours: OurDailyAssets, run_config_file: str | None) -> str | None:
     """Why a run for `day` cannot start now, or None. Another run of the day itself, or a backfill that
     targets it, would write the same partitions at once. An earlier day of its training window that never
     had row_group_cache materialized (a fresh deployment, a day whose run failed) would fail lora_adapter
     after every step before had run: the reason names the backfill to launch, or what is building it."""
-    if own := _runs_in_progress(instance, [day]):
+    if own := _runs_in_progress(instance, [day], ours):
         return (f"not starting {demo_job.name} for {day}: run {own[day]} of that day is still queued or running; "
                 f"a later tick reconsiders {day} once it has ended")
     if day in backfilled:
@@ -204,7 +224,7 @@ def _why_not_ready(instance: dg.DagsterInstance, day: str, earlier_days: list[st
     # its row_group_cache (built mid-run, before its training): two trainings at once would each hold the
     # workers, where no pool limit serialises them (Kubernetes), and their promotions race.
     building = {earlier: f"run {run_id} queued or running"
-                for earlier, run_id in _runs_in_progress(instance, earlier_days).items()}
+                for earlier, run_id in _runs_in_progress(instance, earlier_days, ours).items()}
     building.update({earlier: f"backfill {backfilled[earlier]} not finished" for earlier in earlier_days
                      if earlier in backfilled and earlier not in building})
     if building:

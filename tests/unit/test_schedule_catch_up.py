@@ -310,3 +310,52 @@ def test_a_backfill_of_another_code_locations_daily_asset_does_not_hold_a_day_ba
             backfill_timestamp=time.time(), tags={}, dynamic_partitions_store=instance, all_partitions=all_partitions,
             title=None, description=None, run_config=None))
     assert _requested(_tick(instance, 3)) == ["2026-11-02"]
+
+
+def _run_of_another_location(instance: dg.DagsterInstance, day: str, status: dg.DagsterRunStatus) -> str:
+    """A run another code location's daemon queued or started for the same day: its own job and assets."""
+    from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
+    from dagster._core.storage.dagster_run import DagsterRun
+
+    origin = RemoteJobOrigin(RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("orders"), "__repository__"),
+                             "orders_job")
+    return instance.add_run(DagsterRun(job_name="orders_job", run_id=f"orders-{day}-{status.value}", status=status,
+                                       tags={"dagster/partition": day}, remote_job_origin=origin,
+                                       asset_selection=frozenset({dg.AssetKey("orders")}))).run_id
+
+
+def test_a_run_of_another_code_location_for_the_same_day_does_not_hold_a_day_back(instance):
+    _trained(instance, "2026-11-01")
+    _run_of_another_location(instance, "2026-11-02", dg.DagsterRunStatus.STARTED)
+    assert _requested(_tick(instance, 3)) == ["2026-11-02"]
+
+
+@pytest.mark.parametrize("status", [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.STARTING])
+def test_a_day_waits_while_its_own_run_or_the_day_befores_is_queued_or_starting(instance, status):
+    """On Kubernetes a run waits QUEUED for the run coordinator, then STARTING while its pod is scheduled:
+    the day must not start a second run, and the next day must not start training beside it."""
+    from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
+    from dagster._core.storage.dagster_run import DagsterRun
+
+    _trained(instance, "2026-11-01")
+    instance.report_runless_asset_event(dg.AssetMaterialization("row_group_cache", partition="2026-11-02"))
+    origin = RemoteJobOrigin(RemoteRepositoryOrigin(RegisteredCodeLocationOrigin("tessera"), "__repository__"),
+                             JOB.name)
+    waiting = instance.add_run(DagsterRun(job_name=JOB.name, run_id=f"tessera-{status.value}", status=status,
+                                          tags={"dagster/partition": "2026-11-02"}, remote_job_origin=origin))
+    assert _tick(instance, 3, 5).skip_message == (
+        f"nothing new to start: run {waiting.run_id} of 2026-11-02 is still queued or running")
+    assert _tick(instance, 4).skip_message == (
+        "not starting train_and_promote for 2026-11-03: its training window also reads 2026-11-02, whose run or "
+        f"backfill is still going (2026-11-02: run {waiting.run_id} queued or running); a later tick starts "
+        "train_and_promote for 2026-11-03 once it has ended")
+
+
+def test_a_tick_names_the_relaunched_older_day_still_running_when_the_newest_day_is_done(instance):
+    for day in ("2026-11-01", "2026-11-03"):
+        _trained(instance, day)
+    instance.report_run_failed(instance.create_run_for_job(JOB, tags={"dagster/partition": "2026-11-02"}))
+    relaunch = instance.create_run_for_job(JOB, status=dg.DagsterRunStatus.STARTED,
+                                           tags={"dagster/partition": "2026-11-02"})  # by hand, from the UI
+    assert _tick(instance, 4, 5).skip_message == (
+        f"nothing new to start: run {relaunch.run_id} of 2026-11-02 is still queued or running")
