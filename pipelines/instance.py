@@ -19,7 +19,7 @@ telemetry:
 nux:
   enabled: false
 run_monitoring:
-  # dagster dev's daemon fails runs whose process died, which frees their pool slots.
+  # The daemon fails runs stuck STARTING or CANCELING; the code server, runs it launched whose process died.
   enabled: true
 concurrency:
   pools:
@@ -88,7 +88,7 @@ def _write_settings(settings: Path) -> None:
 def fail_abandoned_runs(instance) -> list[str]:
     """Runs started by a `tessera` process that no longer exists (killed mid-training) still hold
     their concurrency-pool slot; mark them failed and free the slot so a relaunch can proceed.
-    (Under `dagster dev` the daemon's run monitoring does this.)"""
+    (Under `dagster dev` the sensor `free_abandoned_runs` does this every minute.)"""
     import dagster as dg
 
     from training_core.process_identity import process_is_gone

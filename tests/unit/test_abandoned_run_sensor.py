@@ -1,0 +1,65 @@
+"""`free_abandoned_runs`: under `dagster dev` the code server fails only the runs it launched itself whose
+process died. A run of a killed `tessera demo`, or of any launcher when the machine restarted, stayed STARTED
+for ever: it held the training pool slot, and `daily_retrain` waited behind it ("once it has ended")."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import datetime, timezone
+
+import dagster as dg
+from dagster._core.storage.dagster_run import DagsterRun
+
+from pipelines.definitions import defs
+from pipelines.instance import LAUNCHER_TAG
+from training_core.process_identity import this_process
+
+SENSOR = defs.resolve_sensor_def("free_abandoned_runs")
+SCHEDULE = defs.resolve_schedule_def("daily_retrain")
+
+
+def _identity_of_a_finished_process() -> str:
+    """The launcher tag a process writes, of a process that has exited since."""
+    code = "from training_core.process_identity import this_process; print(this_process())"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _tick(instance: dg.DagsterInstance, day: int) -> dg.ScheduleExecutionData:
+    with dg.build_schedule_context(instance=instance, repository_def=defs.get_repository_def(),
+                                   scheduled_execution_time=datetime(2026, 11, day, 2, tzinfo=timezone.utc)) as context:
+        return SCHEDULE.evaluate_tick(context)
+
+
+def test_the_sensor_fails_a_killed_launchers_run_and_the_schedule_then_starts_the_next_day(monkeypatch):
+    monkeypatch.delenv("TESSERA_RUN_CONFIG", raising=False)
+    with dg.instance_for_test() as instance:
+        for day in ("2026-11-01", "2026-11-02"):
+            for asset in ("raw_examples", "training_dataset", "row_group_cache"):
+                instance.report_runless_asset_event(dg.AssetMaterialization(asset, partition=day))
+        instance.report_runless_asset_event(dg.AssetMaterialization("lora_adapter", partition="2026-11-01"))
+        killed = instance.add_run(DagsterRun(
+            job_name="train_and_promote", run_id="killed-mid-training", status=dg.DagsterRunStatus.STARTED,
+            tags={"dagster/partition": "2026-11-02", LAUNCHER_TAG: _identity_of_a_finished_process()}))
+        training = instance.add_run(DagsterRun(
+            job_name="train_and_promote", run_id="training-now", status=dg.DagsterRunStatus.STARTED,
+            tags={"dagster/partition": "2026-10-31", LAUNCHER_TAG: this_process()}))
+        assert _tick(instance, 4).skip_message.startswith(
+            "not starting train_and_promote for 2026-11-03: its training window also reads 2026-11-02")
+
+        with dg.build_sensor_context(instance=instance, repository_def=defs.get_repository_def()) as context:
+            result = SENSOR.evaluate_tick(context)
+
+        assert result.skip_message == f"marked failed, their process being gone: {killed.run_id}"
+        assert instance.get_run_by_id(killed.run_id).status == dg.DagsterRunStatus.FAILURE
+        assert instance.get_run_by_id(training.run_id).status == dg.DagsterRunStatus.STARTED
+        assert [request.partition_key for request in _tick(instance, 4).run_requests] == ["2026-11-03"]
+
+
+def test_the_sensor_runs_by_default_in_the_local_code_location_only():
+    from pipelines.definitions_kubernetes import defs as kubernetes_defs
+
+    assert SENSOR.default_status == dg.DefaultSensorStatus.RUNNING
+    assert SENSOR.minimum_interval_seconds == 60
+    # On Kubernetes every run is a pod on another host: Dagster's run monitoring judges those.
+    assert not list(kubernetes_defs.sensors or [])
