@@ -328,6 +328,16 @@ def test_losses_since_the_last_report_are_appended_with_their_step_numbers(singl
     assert len(progress.loss_history) == 3
 
 
+def test_a_single_workers_skipped_update_fails_the_run_naming_its_step(single_process_group):
+    """One rank alone sums one skip per skipped step: a threshold above one would pass it silently."""
+    from training_core.errors import TrainingDivergedError
+
+    progress = TrainingProgress(step=6, loss_history=[(4, 2.0)])
+    pending, skipped = [torch.tensor(1.5), torch.tensor(1.25)], [False, True]
+    with pytest.raises(TrainingDivergedError, match=r"the gradients of step 6 were inf or NaN"):
+        _append_mean_losses(progress, pending, skipped, torch.nn.Linear(2, 2), TrainingConfig())
+    assert progress.loss_history == [(4, 2.0)]  # the diverged steps never reach the curve
+
 def test_contiguous_gradient_buffer_only_for_full_fine_tuning():
     zero = lambda method: build_deepspeed_config(  # noqa: E731
         TrainingConfig(method=method, zero_stage=2), world_size=1)["zero_optimization"]
