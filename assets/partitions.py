@@ -28,6 +28,12 @@ def earlier_window_days(day: str) -> list[str]:
     return [earlier_day.isoformat() for earlier_day in earlier if earlier_day >= first]
 
 
+def later_window_days(day: str) -> list[str]:
+    """The days after `day` whose training window holds it, oldest first."""
+    current = date.fromisoformat(day)
+    return [(current + timedelta(days=ahead)).isoformat() for ahead in range(1, TRAINING_WINDOW_DAYS)]
+
+
 def materialized_for_day(instance: dg.DagsterInstance, asset: dg.AssetKey | str, day: str) -> bool:
     """Whether `asset` was ever materialized for the partition `day` (a later failed run does not undo it)."""
     key = asset if isinstance(asset, dg.AssetKey) else dg.AssetKey(asset)

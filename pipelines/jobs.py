@@ -9,7 +9,7 @@ import dagster as dg
 import yaml
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
 
-from assets.partitions import DAILY, earlier_window_days, materialized_for_day
+from assets.partitions import DAILY, earlier_window_days, later_window_days, materialized_for_day
 from training_core.errors import ConfigError
 
 # The whole graph for one day: what `tessera demo`, a UI launch and the schedule materialize.
@@ -102,7 +102,8 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
         execution_timezone="UTC",
         description=f"hourly from {EXPORT_LANDED_HOUR:02}:00 to 23:00 UTC, train the oldest of the last "
                     f"{CATCH_UP_DAYS} closed days not yet trained (or tried) whose training window is built and that "
-                    f"no run or backfill is building (no day ever trained: the last one only), with the run config in "
+                    f"no run or backfill of it or of a neighbour in the window is building (no day ever trained: the "
+                    f"last one only), with the run config in "
                     f"${RUN_CONFIG_ENV} (unset: {unset})",
     )
     def daily_retrain_schedule(context: dg.ScheduleEvaluationContext):
@@ -114,31 +115,31 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
         # A bad or missing file fails the tick, naming it, before any run starts.
         run_config = scheduled_run_config(embedded_defaults_allowed)
         run_config_file = os.environ[RUN_CONFIG_ENV].strip() if run_config else None
-        # The recent days not trained or tried since the first one that was. None was: after a pause, or
-        # with days waiting behind a failed one that has left the range, all of them, so a blocked day keeps
-        # its turn; on a fresh deployment (no day ever was) the day that just closed only: earlier days may
-        # never be meant to train.
+        # The recent days not trained or tried after the first day that ever was (after a pause, or with days
+        # waiting behind a failed one that has left the range: all of them, so a blocked day keeps its turn);
+        # on a fresh deployment (no day ever was) the day that just closed only: earlier days may never be
+        # meant to train.
         recent = closed_days[-CATCH_UP_DAYS:]
-        tried = [_trained_or_tried(context.instance, day) for day in recent]
-        if True in tried:
-            since = tried.index(True)
-        else:
-            since = 0 if _any_day_trained_or_tried(context.instance) else len(recent) - 1
-        candidates = [day for day, done in zip(recent[since:], tried[since:]) if not done]
+        first_tried = _first_day_trained_or_tried(context.instance)
+        since = len(recent) - 1 if first_tried is None else next(
+            (index for index, day in enumerate(recent) if day >= first_tried), len(recent))
+        tried = [_trained_or_tried(context.instance, day) for day in recent[since:]]
+        candidates = [day for day, done in zip(recent[since:], tried) if not done]
         ours = OurDailyAssets.of(context.repository_def)
         if not candidates:
             if going := _runs_in_progress(context.instance, recent[since:], ours):
                 return dg.SkipReason("nothing new to start: " + "; ".join(
                     f"run {run_id} of {day} is still queued or running" for day, run_id in sorted(going.items())))
             return dg.SkipReason(
-                f"nothing to start: each closed day from {recent[since]} to {recent[-1]} has lora_adapter materialized "
+                f"nothing to start: each closed day from {recent[min(since, len(recent) - 1)]} to {recent[-1]} has "
+                "lora_adapter materialized "
                 f"or a run of {demo_job.name} (a day whose run failed is not retried: relaunch it by hand)")
         backfilled = _days_in_unfinished_backfills(context.instance, ours)
         oldest_blocked = None
         for day in candidates:
             # The run materializes its own day only; lora_adapter also reads the window's earlier days.
-            blocked = _why_not_ready(context.instance, day, earlier_window_days(day), backfilled, ours,
-                                     run_config_file)
+            blocked = _why_not_ready(context.instance, day, backfilled, ours, run_config_file,
+                                     fresh_deployment=first_tried is None)
             if blocked is None:
                 if oldest_blocked:
                     context.log.info(f"starting {demo_job.name} for {day}; older days wait: {oldest_blocked}")
@@ -159,10 +160,12 @@ def _trained_or_tried(instance: dg.DagsterInstance, day: str) -> bool:
         filters=dg.RunsFilter(job_name=demo_job.name, tags={"dagster/partition": day}), limit=1))
 
 
-def _any_day_trained_or_tried(instance: dg.DagsterInstance) -> bool:
-    """Whether any day ever had a lora_adapter or a run of the job: the deployment has started retraining."""
-    return bool(instance.fetch_materializations(dg.AssetKey("lora_adapter"), limit=1).records
-                or instance.get_runs(filters=dg.RunsFilter(job_name=demo_job.name), limit=1))
+def _first_day_trained_or_tried(instance: dg.DagsterInstance) -> str | None:
+    """The first day that ever had a lora_adapter or a run of the job: retraining started then. None: never."""
+    days = instance.get_materialized_partitions(dg.AssetKey("lora_adapter"))
+    days |= {run.tags["dagster/partition"] for run in instance.get_runs(filters=dg.RunsFilter(job_name=demo_job.name))
+             if "dagster/partition" in run.tags}
+    return min(days, default=None)
 
 
 def _days_in_unfinished_backfills(instance: dg.DagsterInstance, ours: OurDailyAssets) -> dict[str, str]:
@@ -192,7 +195,7 @@ def _runs_in_progress(instance: dg.DagsterInstance, days: list[str], ours: OurDa
     may serve other code locations: a run that selects assets, none of them ours, or no assets but a job this
     code location lacks, builds other data of that day."""
     unfinished = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
-                  dg.DagsterRunStatus.STARTED]
+                  dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]  # a canceling run still writes
     building = {}
     for day in days:
         for run in instance.get_runs(filters=dg.RunsFilter(tags={"dagster/partition": day}, statuses=unfinished)):
@@ -208,12 +211,15 @@ def _runs_in_progress(instance: dg.DagsterInstance, days: list[str], ours: OurDa
 WINDOW_DAY_ASSETS = ("raw_examples", "training_dataset", "row_group_cache")
 
 
-def _why_not_ready(instance: dg.DagsterInstance, day: str, earlier_days: list[str], backfilled: dict[str, str],
-                   ours: OurDailyAssets, run_config_file: str | None) -> str | None:
+def _why_not_ready(instance: dg.DagsterInstance, day: str, backfilled: dict[str, str], ours: OurDailyAssets,
+                   run_config_file: str | None, fresh_deployment: bool) -> str | None:
     """Why a run for `day` cannot start now, or None. Another run of the day itself, or a backfill that
-    targets it, would write the same partitions at once. An earlier day of its training window that never
-    had row_group_cache materialized (a fresh deployment, a day whose run failed) would fail lora_adapter
-    after every step before had run: the reason names the backfill to launch, or what is building it."""
+    targets it, would write the same partitions at once; a later day whose window reads `day` and is being
+    built would train beside it on the data it rewrites, and be promoted before it. An earlier day of its
+    training window that never had row_group_cache materialized (a fresh deployment, a day whose run failed)
+    would fail lora_adapter after every step before had run: the reason names the backfill to launch, or
+    what is building it."""
+    earlier_days = earlier_window_days(day)  # the run materializes its own day only
     if own := _runs_in_progress(instance, [day], ours):
         return (f"not starting {demo_job.name} for {day}: run {own[day]} of that day is still queued or running; "
                 f"a later tick reconsiders {day} once it has ended")
@@ -223,11 +229,7 @@ def _why_not_ready(instance: dg.DagsterInstance, day: str, earlier_days: list[st
     # A run or a backfill of an earlier day of the window is still going: wait for it to end, not only for
     # its row_group_cache (built mid-run, before its training): two trainings at once would each hold the
     # workers, where no pool limit serialises them (Kubernetes), and their promotions race.
-    building = {earlier: f"run {run_id} queued or running"
-                for earlier, run_id in _runs_in_progress(instance, earlier_days, ours).items()}
-    building.update({earlier: f"backfill {backfilled[earlier]} not finished" for earlier in earlier_days
-                     if earlier in backfilled and earlier not in building})
-    if building:
+    if building := _going(instance, earlier_days, backfilled, ours):
         several = len(building) > 1
         return (
             f"not starting {demo_job.name} for {day}: its training window also reads {', '.join(sorted(building))}, "
@@ -237,6 +239,13 @@ def _why_not_ready(instance: dg.DagsterInstance, day: str, earlier_days: list[st
         )
     missing = [earlier for earlier in earlier_days if not materialized_for_day(instance, "row_group_cache", earlier)]
     if not missing:
+        if later := _going(instance, later_window_days(day), backfilled, ours):
+            several, what = len(later) > 1, "; ".join(f"{d}: {later[d]}" for d in sorted(later))
+            return (
+                f"not starting {demo_job.name} for {day}: {', '.join(sorted(later))}, whose training window reads "
+                f"{day}, {'are' if several else 'is'} being built ({what}); a later tick starts {demo_job.name} "
+                f"for {day} once {'they have' if several else 'it has'} ended"
+            )
         return None
     # The backfill's training_dataset reads base_model: include it where no run has built it yet.
     selection = ([] if instance.fetch_materializations(dg.AssetKey("base_model"), limit=1).records
@@ -246,5 +255,20 @@ def _why_not_ready(instance: dg.DagsterInstance, day: str, earlier_days: list[st
         f"not starting {demo_job.name} for {day}: its training window also reads {', '.join(missing)}, where "
         f"row_group_cache was never materialized, so lora_adapter would fail. Backfill assets {','.join(selection)} "
         f"for partition{'s' if len(missing) > 1 else ''} {', '.join(missing)}{with_config}; a later tick then "
-        f"starts {demo_job.name} for {day}"
+        f"starts {demo_job.name} for {day}" + (_BEFORE_THE_NEXT_DAY_CLOSES if fresh_deployment else "")
     )
+
+
+# A fresh deployment considers the day that just closed only: the advice holds until the next one closes.
+_BEFORE_THE_NEXT_DAY_CLOSES = (
+    f" if the backfill ends before {EXPORT_LANDED_HOUR:02}:00 UTC tomorrow (no day has trained yet: each day's "
+    "ticks consider the day that just closed only)")
+
+
+def _going(instance: dg.DagsterInstance, days: list[str], backfilled: dict[str, str],
+           ours: OurDailyAssets) -> dict[str, str]:
+    """{day: the run or backfill of it still going} for those of `days` that have one."""
+    going = {day: f"run {run_id} queued or running" for day, run_id in _runs_in_progress(instance, days, ours).items()}
+    going.update({day: f"backfill {backfilled[day]} not finished" for day in days
+                  if day in backfilled and day not in going})
+    return going
