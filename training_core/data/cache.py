@@ -13,11 +13,14 @@ of a shard in one transaction; readers store from a background
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import pickle
+import shutil
+import sqlite3
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -26,6 +29,8 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 
 import diskcache
 import numpy as np
+
+from training_core.errors import TesseraError
 
 from .cache_payload import (
     PAYLOAD_FORMAT,
@@ -38,6 +43,7 @@ from .cache_payload import (
 logger = logging.getLogger(__name__)
 
 _SQLITE_SLACK = 16 * 1024  # room for the new row and index pages
+_STORAGE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)  # the value files' and SQLite's, not encoding bugs
 # key, columns as they are stored (integers already narrowed), the dtypes they are read back as
 Entry = tuple[str, dict[str, np.ndarray], dict[str, np.dtype]]
 
@@ -93,6 +99,25 @@ def cache_version(dataset_digest: str, columns: Sequence[str] | None, transform_
     """Short hex id of what the cache holds: dataset, columns, transform and payload format."""
     blob = json.dumps([PAYLOAD_FORMAT, dataset_digest, list(columns) if columns else None, transform_version])
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
+
+
+class CacheStorageError(TesseraError):
+    """The cache folder cannot be opened or written (disk full, no permission, locked too long)."""
+
+
+def storage_failure(config: CacheConfig, action: str, error: BaseException) -> CacheStorageError:
+    """An error naming the cache folder: a bare ``[Errno 28]`` on a decode thread read as the dataset's fault."""
+    full = (error.errno in (errno.ENOSPC, errno.EDQUOT) if isinstance(error, OSError)
+            else isinstance(error, sqlite3.Error) and "is full" in str(error))  # SQLITE_FULL
+    cause = f"{type(error).__name__}: {error}"
+    if not full:
+        return CacheStorageError(f"row-group cache {config.directory}: {action} failed ({cause})")
+    with contextlib.suppress(OSError):
+        cause += f"; {shutil.disk_usage(config.directory).free / 2**20:.1f} MiB free there"
+    return CacheStorageError(
+        f"row-group cache {config.directory}: {action} failed: the disk is full ({cause}); free space there, lower the "
+        f"cache's quota (cache.size_limit_bytes={config.size_limit_bytes}) below what the disk holds, or move the cache"
+    )
 
 
 @dataclass
@@ -173,16 +198,14 @@ class RowGroupCache:
 
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
-        self._cache = diskcache.FanoutCache(
-            str(config.directory),
-            shards=config.shards,
-            timeout=config.timeout_s,
-            disk=_ValueDisk,
-            size_limit=2**62,  # the quota is enforced by put_many, not by diskcache's cull
-            cull_limit=0,
-            eviction_policy="least-recently-stored",
-            statistics=False,
-        )
+        try:  # creates the shard folders and their SQLite files: a full disk fails here
+            self._cache = diskcache.FanoutCache(
+                str(config.directory), shards=config.shards, timeout=config.timeout_s, disk=_ValueDisk,
+                size_limit=2**62,  # the quota is enforced by put_many, not by diskcache's cull
+                cull_limit=0, eviction_policy="least-recently-stored", statistics=False,
+            )
+        except _STORAGE_ERRORS as error:
+            raise storage_failure(config, "opening it", error) from error
         self._shard_limit = config.size_limit_bytes // config.shards
         self._lock = threading.Lock()
         self.counters = CacheCounters()
@@ -276,23 +299,27 @@ class RowGroupCache:
         return arrays, logical, buffer
 
     def put(self, key: str, arrays: dict[str, np.ndarray]) -> bool:
-        """Store one entry if the quota allows (after evicting, under ``policy="evict"``); errors propagate.
+        """Store one entry if the quota allows (after evicting, under ``policy="evict"``); see :meth:`store`.
 
         Integer columns are narrowed first (by a scan of their values)."""
         logical = {name: array.dtype for name, array in arrays.items()}
         return self.store(key, narrow_columns(arrays), logical)
 
     def store(self, key: str, columns: dict[str, np.ndarray], logical: dict[str, np.dtype]) -> bool:
-        """:meth:`put` for columns already narrowed (see :data:`Entry`); errors propagate."""
-        return self._store_in_shard(self._shard_of(key), [(key, columns, logical)])[0]
+        """:meth:`put` for columns already narrowed (see :data:`Entry`). A failed write (full disk, …) raises
+        :class:`CacheStorageError`: cache warming, whose output is the cache, stores this way."""
+        try:
+            return self._store_in_shard(self._shard_of(key), [(key, columns, logical)])[0]
+        except _STORAGE_ERRORS as error:
+            raise storage_failure(self.config, "storing a row group", error) from error
 
     def put_many(self, entries: Sequence[Entry]) -> list[bool]:
         """Store several ``(key, stored columns, logical dtypes)`` (see :data:`Entry`), those of one
         shard in one transaction; returns which were stored.
 
         The quota check runs before each insert inside the transaction, so a batch obeys the quota
-        exactly as single stores do. A failure (full disk, …) costs only that shard's entries of
-        this call: counted in ``write_errors`` and logged; their value files are deleted."""
+        exactly as single stores do. A failure (full disk, …) never raises (training stores this way): it costs
+        only that shard's entries of this call, counted in ``write_errors``, logged, read from Parquet again."""
         stored = [False] * len(entries)
         groups: dict[int, list[int]] = {}
         for position, entry in enumerate(entries):
@@ -301,8 +328,8 @@ class RowGroupCache:
             try:
                 results = self._store_in_shard(shard, [entries[position] for position in positions])
             except Exception as error:  # noqa: BLE001 - a failed store only costs a re-read later
-                logger.warning("row-group cache: storing %d entries failed: %s: %s", len(positions),
-                               type(error).__name__, error)
+                logger.warning("%s; not cached, read from Parquet again next time",
+                               storage_failure(self.config, f"storing {len(positions)} row group(s)", error))
                 self._count(write_errors=len(positions))
                 continue
             for position, result in zip(positions, results):

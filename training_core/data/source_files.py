@@ -39,6 +39,7 @@ SHOWN_REFUSED_FILES = 5
 # is skipped or fails, one holding a failed or speculative task attempt's files.
 UNCOMMITTED_EXPORT_FOLDER = "_temporary"
 COMMITTED_EXPORT_MARKER = "_SUCCESS"
+HTTP_REQUEST_TIMEOUT_S = 60.0  # RowGroupReader's and warm_cache's read_timeout_s default: one storage request
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,26 @@ class SourceFile:
 
 
 def redacted_cause(error: Exception) -> str:
-    # An OSError says what it is ("[Errno 13] Permission denied"); a store's own types may not.
+    # An OSError says what it is ("[Errno 13] Permission denied"); a store's own types may not, and a
+    # timeout says nothing at all (fsspec's FSTimeoutError, asyncio's TimeoutError print as "").
     # Either may quote the URL it was given, credentials included (fsspec's FileNotFoundError does).
-    return redact_uri(str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}")
+    text, kind = str(error), type(error).__name__
+    if isinstance(error, TimeoutError):  # an OSError too
+        cause = f"timed out: {kind}: {text}" if text else f"timed out: {kind}"
+    elif not text:
+        cause = kind
+    else:
+        cause = text if isinstance(error, OSError) else f"{kind}: {text}"
+    return redact_uri(cause)
+
+
+def _http_options() -> dict[str, Any]:
+    """fsspec options of an HTTP(S) source: a request gets as long as the loader gives one storage request
+    (HTTP_REQUEST_TIMEOUT_S); aiohttp's default waits 300 s. A limit on the whole request, not on
+    silence between reads: fsspec's `exists` takes aiohttp's read timeout for "not found"."""
+    import aiohttp  # fsspec's HTTP filesystem needs it; imported only for HTTP sources
+
+    return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=HTTP_REQUEST_TIMEOUT_S)}}
 
 
 def chainable_unless_credentials(error: Exception) -> Exception | None:
@@ -155,8 +173,9 @@ def _list_uri(uri: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
     """As `_list_local`, for an fsspec URI; names keep the URI as written, scheme included, its
     credentials redacted."""
     shown = redact_uri(uri)
+    is_http = fsspec.core.split_protocol(uri)[0] in ("http", "https")
     try:
-        fs, root = fsspec.core.url_to_fs(uri)
+        fs, root = fsspec.core.url_to_fs(uri, **(_http_options() if is_http else {}))
     except Exception as error:  # ImportError: s3fs/gcsfs not installed; ValueError: unknown protocol
         raise SourceDataError(f"source {shown}: cannot open its filesystem ({redacted_cause(error)})") from chainable_unless_credentials(error)
     if isinstance(fs, LocalFileSystem):  # file://: links are followed as for a plain path
@@ -166,7 +185,10 @@ def _list_uri(uri: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
         is_file = exists and fs.isfile(root)
         found = fs.find(root) if exists and not is_file else []
     except Exception as error:  # a store's own types too: botocore's NoCredentialsError is no OSError
-        raise SourceDataError(f"source {shown}: cannot be listed ({redacted_cause(error)})") from chainable_unless_credentials(error)
+        cause = redacted_cause(error)
+        if isinstance(error, TimeoutError) and is_http:
+            cause += f": no answer within {HTTP_REQUEST_TIMEOUT_S:g} s; is the server up?"
+        raise SourceDataError(f"source {shown}: cannot be listed ({cause})") from chainable_unless_credentials(error)
     if not exists:
         raise SourceDataError(f"source path {shown} does not exist")
     if is_file:

@@ -16,7 +16,15 @@ import numpy as np
 import pyarrow as pa
 
 from .arrow_numpy import table_to_numpy
-from .cache import BufferPool, CacheConfig, CacheWarmReport, RowGroupCache, cache_key, cache_version
+from .cache import (
+    BufferPool,
+    CacheConfig,
+    CacheStorageError,
+    CacheWarmReport,
+    RowGroupCache,
+    cache_key,
+    cache_version,
+)
 from .cache_payload import narrow_columns
 from .cache_writer import CacheWriter
 from .footer_statistics import current_value_ranges
@@ -104,7 +112,8 @@ class Task:
                     f"{self.label}: no result after read_timeout_s={timeout_s:g}s; the storage may be hanging"
                 )
         if self.error is not None:
-            if isinstance(self.error, (RowGroupReadError, ReaderClosedError, SourceError)):
+            # a cache error is raised as it is: wrapped, it read as a fault of the row group's Parquet file
+            if isinstance(self.error, (RowGroupReadError, ReaderClosedError, SourceError, CacheStorageError)):
                 raise self.error
             raise RowGroupReadError(f"{self.label}: {type(self.error).__name__}: {self.error}") from self.error
         return self.result
@@ -205,7 +214,11 @@ class RowGroupLoader:
     statistics when it has them) and that narrow copy serves both the window and the cache. With a
     ``writer`` the store is handed to the background :class:`CacheWriter` (the decode thread
     moves on at once); with ``buffers`` a cache hit is read into a reused buffer, returned as the
-    third item so that the caller can give it back once it has copied the rows out.
+    third item so that the caller can give it back once it has copied the rows out. Without a
+    ``writer`` the store runs on the decode thread: with ``fail_on_store_error`` (cache warming,
+    whose output is the cache) a failed write raises :class:`CacheStorageError`; otherwise (training
+    with ``write_queue_bytes=0``) it is logged and counted in ``write_errors``, as the background
+    writer does, and the row group is read from Parquet again next time.
     """
 
     def __init__(
@@ -216,8 +229,10 @@ class RowGroupLoader:
         transform_version: str,
         read_timeout_s: float,
         max_attempts: int = 3,
+        fail_on_store_error: bool = False,
     ) -> None:
         self.index, self.cache, self.transform = index, cache, transform
+        self.fail_on_store_error = fail_on_store_error
         self.transform_version, self.read_timeout_s, self.max_attempts = transform_version, read_timeout_s, max_attempts
         self._local = threading.local()
         # the columns of the first row group the transform returned, and which row group that was
@@ -272,8 +287,10 @@ class RowGroupLoader:
         del arrays, table
         if writer is not None:
             writer.submit(key, columns, logical)
-        else:
+        elif self.fail_on_store_error:
             self.cache.store(key, columns, logical)
+        else:
+            self.cache.put_many([(key, columns, logical)])
         return columns, logical, None
 
     def _apply_transform(self, ref: RowGroupRef, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -428,7 +445,7 @@ def load_all_row_groups(
     cache = RowGroupCache(config)
     try:  # the cache handle is closed on failure too (a failed read leaves only whole, checksummed entries)
         orphans = cache.remove_orphan_files()
-        loader = RowGroupLoader(index, cache, transform, transform_version, read_timeout_s)
+        loader = RowGroupLoader(index, cache, transform, transform_version, read_timeout_s, fail_on_store_error=True)
         pool, stop = WorkerPool(workers, name), threading.Event()
         try:
             window = max(2 * workers, 2)

@@ -1,0 +1,65 @@
+"""An HTTP source that accepts connections and never answers fails within the storage request timeout,
+with a message that says it timed out (a TimeoutError prints as an empty string)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from training_core.data import source_files
+from training_core.data.source_files import redacted_cause
+from training_core.data.sources import iter_records
+from training_core.errors import SourceDataError
+
+
+@pytest.fixture
+def silent_server():
+    """A local TCP server that accepts every connection and never sends a byte."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept_forever() -> None:
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:  # the listener was closed
+                return
+
+    threading.Thread(target=accept_forever, name="silent-server", daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        for connection in held:
+            connection.close()
+
+
+def test_a_timeout_is_named_though_its_text_is_empty():
+    assert redacted_cause(TimeoutError()) == "timed out: TimeoutError"
+    assert redacted_cause(KeyError()) == "KeyError"
+
+
+def test_an_http_source_that_never_answers_fails_within_the_request_timeout(silent_server, monkeypatch):
+    monkeypatch.setattr(source_files, "HTTP_REQUEST_TIMEOUT_S", 0.5)
+    outcome: dict[str, object] = {}
+
+    def list_records() -> None:
+        started = time.monotonic()
+        try:
+            sum(1 for _ in iter_records(f"{silent_server}/day/"))
+        except Exception as error:  # noqa: BLE001 - judged below
+            outcome["error"] = error
+        outcome["elapsed_s"] = time.monotonic() - started
+
+    # in a thread: without a bounded timeout the listing would wait aiohttp's 300 s
+    listing = threading.Thread(target=list_records, daemon=True)
+    listing.start()
+    listing.join(30)
+    assert not listing.is_alive(), "listing a silent HTTP server did not give up within 30 s"
+    error = outcome["error"]
+    assert isinstance(error, SourceDataError)
+    assert f"source {silent_server}/day/: cannot be listed (timed out" in str(error)
+    assert "no answer within 0.5 s" in str(error)
+    assert outcome["elapsed_s"] < 10
