@@ -46,7 +46,7 @@ def demo(args: argparse.Namespace) -> int:
             AbandonedRunWatch(instance, freed):
         result = job.execute_in_process(
             partition_key=DEMO_PARTITION, instance=instance, raise_on_error=False,
-            tags={LAUNCHER_TAG: this_process()},
+            tags=demo_run_tags(),
         )
     if not result.success:
         console.print("[red]demo failed[/]; see the Dagster log above")
@@ -171,6 +171,12 @@ def free_slots(args: argparse.Namespace) -> int:
         console.print(f"run {run_id} was abandoned by a killed process: marked failed, its pool slot freed")
     console.print(f"{len(freed)} abandoned run(s) in {root}")
     return 0
+
+
+def demo_run_tags() -> dict[str, str]:
+    from pipelines.jobs import DEMO_RUN_TAG
+
+    return {LAUNCHER_TAG: this_process(), DEMO_RUN_TAG: "true"}
 
 
 def _not_shown_by_dagster(record: logging.LogRecord) -> bool:

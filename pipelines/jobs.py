@@ -71,12 +71,14 @@ def _settings_left_on_the_demo(run_config: dict) -> list[str]:
 # Retraining, one day at a time. A day's export has landed by EXPORT_LANDED_HOUR:00 UTC the day after
 # (the partitions' timezone); from then the schedule ticks every hour, and each tick starts at most one
 # run: the oldest day still to train whose training window is built, among the last CATCH_UP_DAYS closed
-# days from the first one trained or tried (none of them was: all of them, or the last one only where no
-# day ever was). A tick that cannot start it (an earlier day of its window still being built, the
+# days after the first day ever trained or tried (the last one only where no day ever was; `tessera demo`'s
+# runs do not count). A tick that cannot start it (an earlier day of its window still being built, the
 # daemon down over a tick, a backfill of the day in progress) loses nothing: a later tick starts it.
 # Unchanged inputs reuse the earlier training run instead of retraining.
 EXPORT_LANDED_HOUR = 2
 CATCH_UP_DAYS = 7
+# Tags the runs of `tessera demo`: the schedule does not take them for the deployment's first retraining.
+DEMO_RUN_TAG = "tessera/demo"
 
 
 @dataclass(frozen=True)
@@ -161,10 +163,20 @@ def _trained_or_tried(instance: dg.DagsterInstance, day: str) -> bool:
 
 
 def _first_day_trained_or_tried(instance: dg.DagsterInstance) -> str | None:
-    """The first day that ever had a lora_adapter or a run of the job: retraining started then. None: never."""
-    days = instance.get_materialized_partitions(dg.AssetKey("lora_adapter"))
-    days |= {run.tags["dagster/partition"] for run in instance.get_runs(filters=dg.RunsFilter(job_name=demo_job.name))
-             if "dagster/partition" in run.tags}
+    """The first day that ever had a lora_adapter or a run of the job: retraining started then. None: never.
+    `tessera demo`'s runs (DEMO_RUN_TAG) do not count: a demo tried first on the deployment's instance would
+    make every recent day look left behind."""
+    days = {run.tags["dagster/partition"] for run in instance.get_runs(filters=dg.RunsFilter(job_name=demo_job.name))
+            if "dagster/partition" in run.tags and DEMO_RUN_TAG not in run.tags}
+    for day in sorted(instance.get_materialized_partitions(dg.AssetKey("lora_adapter"))):
+        if days and day >= min(days):
+            break
+        latest = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("lora_adapter"), asset_partitions=[day]), limit=1).records
+        run = instance.get_run_by_id(latest[0].run_id) if latest and latest[0].run_id else None
+        if run is None or DEMO_RUN_TAG not in run.tags:
+            days.add(day)
+            break
     return min(days, default=None)
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dagster as dg
 
-from tests.unit.test_schedule_catch_up import _launch, _requested, _succeed, _tick, _trained
+from assets.partitions import DAILY
+from tests.unit.test_schedule_catch_up import JOB, _launch, _requested, _succeed, _tick, _trained
 from tests.unit.test_schedule_catch_up import _embedded_defaults, instance  # noqa: F401 - fixtures
 
 DATA = ("raw_examples", "training_dataset", "row_group_cache")
@@ -76,3 +77,24 @@ def test_a_fresh_deployments_advice_says_until_when_it_holds(instance):
         "each day's ticks consider the day that just closed only)")
     _data_built(instance, "2026-11-06")
     assert _requested(_tick(instance, 8, 9)) == ["2026-11-07"]
+
+
+
+def test_the_demo_tried_first_on_the_deployments_instance_leaves_the_deployment_fresh(instance):
+    """`tessera demo` trains 2026-11-01 on the same instance as `make ui`: its run is no retraining, and
+    counting it made every one of the last seven days look left behind, the oldest first."""
+    from pipelines.cli import demo_run_tags
+
+    demo_tags = {**demo_run_tags(), "dagster/partition": "2026-11-01"}
+    instance.create_run_for_job(JOB, status=dg.DagsterRunStatus.SUCCESS, tags=demo_tags)
+
+    @dg.asset(name="lora_adapter", partitions_def=DAILY)
+    def demo_lora_adapter():
+        return None
+
+    assert dg.materialize([demo_lora_adapter], instance=instance, partition_key="2026-11-01", tags=demo_tags).success
+    skip = _tick(instance, 30).skip_message
+    assert skip.startswith("not starting train_and_promote for 2026-11-29: its training window also reads 2026-11-28")
+    assert skip.endswith("(no day has trained yet: each day's ticks consider the day that just closed only)")
+    _data_built(instance, "2026-11-28")
+    assert _requested(_tick(instance, 30, 3)) == ["2026-11-29"]
