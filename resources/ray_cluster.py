@@ -239,7 +239,7 @@ def connect_unless_connected(ray_cluster: RayResource, context) -> None:
 
 class RayClusterUnreachable(RuntimeError):
     """No Ray cluster answers at the configured Ray address: nothing accepts a connection there, or
-    what does is an HTTP server (such as the Ray dashboard), not Ray."""
+    what does is an HTTP server (such as the Ray dashboard) or a peer that never answers, not Ray."""
 
 
 # What ray.init's gRPC channel sends first: a peer that speaks HTTP/2, as Ray's GCS and Ray Client servers
@@ -283,43 +283,104 @@ def _token_refusal(address: str) -> str:
 
 def wait_until_reachable(address: str, timeout_s: float) -> None:
     """Return once something accepts TCP connections at ``address`` (HOST:PORT or ray://HOST:PORT),
-    waiting up to ``timeout_s`` (a head node may still be starting), and it is not an HTTP/1 server;
-    else raise naming the address. ``ray.init`` on a dead address, or on the dashboard's port, retries
-    for minutes, and dagster-ray retries it for two more, so a typo in TESSERA_RAY_ADDRESS used to
-    hang the step instead of failing it."""
+    waiting up to ``timeout_s`` (a head node may still be starting), and it is not an HTTP/1 server
+    nor a peer that stays silent; else raise naming the address. ``ray.init`` on a dead address, on the
+    dashboard's port, or on a port whose service waits for its client to speak first (Postgres, a
+    port-forward with nothing behind it) retries for minutes, and dagster-ray retries it for two more,
+    so a typo in TESSERA_RAY_ADDRESS used to hang the step instead of failing it. Where Ray dials
+    another host than the address names (127.0.0.1 becomes the node IP), that host is checked too."""
     if address == "auto":
         return
+    deadline = time.monotonic() + timeout_s
     host, _, port = address.removeprefix("ray://").rpartition(":")
     host = host.strip("[]")  # [::1]:6379
-    if error := connection_refusal(host, int(port), timeout_s):
+    _check_peer(address, host, int(port), timeout_s, deadline, rewritten="")
+    # A Ray Client (ray://) dials the host as written; a GCS address Ray first rewrites.
+    if not address.startswith("ray://") and (dialed := host_ray_dials(host)) != host:
+        _check_peer(address, dialed, int(port), timeout_s, deadline,
+                    rewritten=f" (Ray dials {dialed}:{port}, this machine's node IP, for {host})")
+
+
+def _check_peer(address: str, host: str, port: int, timeout_s: float, deadline: float, rewritten: str) -> None:
+    """``wait_until_reachable`` for one host, within what is left until ``deadline`` (at least a moment)."""
+    def left_s() -> float:
+        return max(deadline - time.monotonic(), min(timeout_s, PROTOCOL_CHECK_TIMEOUT_S))
+
+    if error := connection_refusal(host, port, left_s()):
         raise RayClusterUnreachable(
             f"Ray cluster at {address} (TESSERA_RAY_ADDRESS or ray_cluster.address) did not accept a "
-            f"connection within {timeout_s:g} s: {error}. Start it (`ray start --head --port={port}`), fix "
+            f"connection within {timeout_s:g} s: {error}{rewritten}. Start it (`ray start --head --port={port}`), fix "
             "the address, or unset TESSERA_RAY_ADDRESS to train on in-process Ray"
         ) from error
-    if status_line := http1_status_line(host, int(port)):
+    answer = answer_to_grpc_preface(host, port, left_s())
+    if answer.http1_status_line:
         raise RayClusterUnreachable(
-            f"Ray address {address} (TESSERA_RAY_ADDRESS or ray_cluster.address): port {port} is an HTTP "
-            f"server (it answered {status_line!r}), not Ray; {RAY_ADDRESS_FORMS}")
+            f"Ray address {address} (TESSERA_RAY_ADDRESS or ray_cluster.address): port {port}{rewritten} is an HTTP "
+            f"server (it answered {answer.http1_status_line!r}), not Ray; {RAY_ADDRESS_FORMS}")
+    if answer.silent:
+        server = "Ray Client server" if address.startswith("ray://") else "GCS"
+        raise RayClusterUnreachable(
+            f"Ray address {address} (TESSERA_RAY_ADDRESS or ray_cluster.address): port {port}{rewritten} accepted the "
+            f"connection but did not answer as Ray's {server} (gRPC over HTTP/2) within {timeout_s:g} s "
+            "(ray_cluster.connect_timeout_s): another service that waits for its client to speak first (a "
+            "database, a port-forward or load balancer with nothing behind it) or a stuck head node. Fix the "
+            f"address, or raise ray_cluster.connect_timeout_s for a head node that slow; {RAY_ADDRESS_FORMS}")
+
+
+def host_ray_dials(host: str) -> str:
+    """The host ``ray.init`` connects to for a GCS address on ``host``: Ray 2.60 replaces 127.0.0.1,
+    localhost and ::1 with this machine's node IP, so a listener on the loopback interface only is not
+    what Ray reaches. Ray's private helper (``ray._private.services``), kept to this one function; the
+    host as written where it is gone."""
+    try:
+        from ray._private.services import resolve_ip_for_localhost
+    except ImportError:
+        return host
+    try:
+        return resolve_ip_for_localhost(host).strip("[]")
+    except Exception:  # noqa: BLE001 - no node IP found: Ray's own connect will say so
+        return host
+
+
+@dataclass(frozen=True)
+class PeerAnswer:
+    """How the peer at a Ray address answered gRPC's connection preface (what ray.init sends first)."""
+
+    silent: bool = False  # it accepted the connection, then sent nothing and kept it open
+    http1_status_line: str | None = None
+
+
+def answer_to_grpc_preface(host: str, port: int, timeout_s: float = PROTOCOL_CHECK_TIMEOUT_S) -> PeerAnswer:
+    """Send gRPC's connection preface to ``host:port`` and wait up to ``timeout_s`` for the answer.
+    Ray's GCS and Ray Client servers answer at once with an HTTP/2 SETTINGS frame, an HTTP/1 server with
+    a status line (or with one to a plain GET), a TLS server with an alert or by closing; a peer that
+    says nothing at all is no Ray."""
+    requests = ((GRPC_CONNECTION_PREFACE, timeout_s), (HTTP1_REQUEST, min(timeout_s, PROTOCOL_CHECK_TIMEOUT_S)))
+    for request, wait_s in requests:
+        try:
+            peer = socket.create_connection((host, port), timeout=min(wait_s, PROTOCOL_CHECK_TIMEOUT_S))
+        except OSError:
+            continue
+        with peer:
+            try:
+                peer.settimeout(wait_s)
+                peer.sendall(request)
+                reply = peer.recv(64)
+            except TimeoutError:  # an HTTP/1 server answers the preface at once, if only with an error
+                return PeerAnswer(silent=request is GRPC_CONNECTION_PREFACE)
+            except OSError:
+                continue
+        if reply.startswith(b"HTTP/"):
+            return PeerAnswer(http1_status_line=reply.split(b"\r\n")[0].decode("ascii", errors="replace"))
+        if len(reply) >= 9 and reply[3] == HTTP2_SETTINGS_FRAME:  # frame header: 3-byte length, then type
+            return PeerAnswer()
+    return PeerAnswer()
 
 
 def http1_status_line(host: str, port: int, timeout_s: float = PROTOCOL_CHECK_TIMEOUT_S) -> str | None:
     """The status line an HTTP/1 server at ``host:port`` answers with; None for a peer that answers in
     HTTP/2, or not in HTTP/1 within ``timeout_s`` (a TLS port, a silent one)."""
-    for request in (GRPC_CONNECTION_PREFACE, HTTP1_REQUEST):
-        try:
-            with socket.create_connection((host, port), timeout=timeout_s) as peer:
-                peer.sendall(request)
-                reply = peer.recv(64)
-        except TimeoutError:  # an HTTP/1 server answers the preface at once, if only with an error
-            return None
-        except OSError:
-            continue
-        if reply.startswith(b"HTTP/"):
-            return reply.split(b"\r\n")[0].decode("ascii", errors="replace")
-        if len(reply) >= 9 and reply[3] == HTTP2_SETTINGS_FRAME:  # frame header: 3-byte length, then type
-            return None
-    return None
+    return answer_to_grpc_preface(host, port, timeout_s).http1_status_line
 
 
 def check_cluster_capacity(training_config, ray_cluster: Any, log: Any, poll_s: float = 1.0) -> None:
@@ -382,4 +443,5 @@ def gpu_available_in_cluster() -> bool:
 
 __all__ = ["ClusterCeiling", "LocalRayCluster", "ExternalRayCluster", "RayClusterUnreachable", "RayDataOptions",
            "RayResource", "alive_node_resources", "check_cluster_capacity", "connect_to_cluster",
-           "connect_unless_connected", "gpu_available_in_cluster", "http1_status_line", "wait_until_reachable"]
+           "connect_unless_connected", "gpu_available_in_cluster", "http1_status_line", "wait_until_reachable",
+           "answer_to_grpc_preface", "host_ray_dials", "PeerAnswer"]
