@@ -24,10 +24,31 @@ LINEAGE_KEYS = {
 }
 
 
+# An MLflow run a killed Kubernetes step pod left RUNNING (another host's process), whose Dagster run failed.
+POD_KILLED_DAGSTER_RUN = "pod-killed-dagster-run"
+
+
 @pytest.fixture(scope="module")
 def demo_run(ray_session, tmp_path_factory):
     home = tmp_path_factory.mktemp("tessera-home")
+    _leave_a_pod_killed_run(home)
     return home, _materialize(home)
+
+
+def _leave_a_pod_killed_run(home: Path) -> str:
+    from dagster._core.storage.dagster_run import DagsterRun
+
+    from training_core.tracking import PROCESS_TAG, MlflowTracking
+
+    (home / "dagster").mkdir(parents=True)
+    instance = dg.DagsterInstance.local_temp(str(home / "dagster"))
+    instance.add_run(DagsterRun(job_name="train_and_promote", run_id=POD_KILLED_DAGSTER_RUN,
+                                status=dg.DagsterRunStatus.FAILURE))
+    tracking = MlflowTracking(f"sqlite:///{home / 'mlflow.db'}", home / "mlartifacts")
+    run_id = tracking.client.create_run(tracking.experiment_id, run_name="pod-killed",
+                                        tags={PROCESS_TAG: "tessera-run-abc-lora-adapter-xyz:7:123@bootid"}).info.run_id
+    tracking.log_batch(run_id, params={"dagster_run_id": POD_KILLED_DAGSTER_RUN})  # as its lineage logged it
+    return run_id
 
 
 def _materialize(home: Path, run_config: dict | None = None, partition_key: str = DEMO_PARTITION,
@@ -96,6 +117,17 @@ def test_training_run_records_the_full_lineage_in_mlflow(demo_run):
     assert metrics["peak_memory_mb"] > 0  # per worker, on CPU too (the process's peak RSS)
     config = json.loads(Path(client.download_artifacts(run.info.run_id, "deepspeed_config.json")).read_text())
     assert config["zero_optimization"]["stage"] == 2 and "auto" not in json.dumps(config)
+
+
+def test_training_marks_killed_the_mlflow_run_a_killed_step_pod_left_running(demo_run):
+    """The training step hands the Dagster side's judgement (`run_has_ended`) to the MLflow sweep."""
+    home, _ = demo_run
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    (left,) = [run for run in client.search_runs(client.get_experiment_by_name("tessera").experiment_id)
+               if run.data.params.get("dagster_run_id") == POD_KILLED_DAGSTER_RUN]
+    assert left.info.status == "KILLED"
+    assert left.data.tags["tessera.ended_by"] == (
+        f"a later run: its Dagster run {POD_KILLED_DAGSTER_RUN} had ended (FAILURE)")
 
 
 def test_promotion_points_champion_at_this_run(demo_run):
