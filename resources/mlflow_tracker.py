@@ -7,7 +7,7 @@ from pydantic import Field
 from resources.paths import TesseraStorage
 from training_core.errors import ConfigError
 from training_core.redaction import redact_uri
-from training_core.tracking import MlflowTracking
+from training_core.tracking import MlflowTracking, bound_mlflow_http_requests
 
 
 class MlflowTracker(dg.ConfigurableResource):
@@ -59,6 +59,7 @@ def check_tracking_uri(uri: str) -> None:
             raise _refused(uri, "carries credentials (a password or token), which MLflow's errors would print; set "
                                 "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead")
         _check_server_listens(uri, scheme)
+        _check_server_answers(uri)
     if scheme == "sqlite":
         _check_sqlite_uri(uri, urlparse(uri).scheme)
     if scheme in ("postgresql", "mysql", "mssql"):
@@ -104,13 +105,13 @@ def _check_sqlite_uri(uri: str, scheme: str) -> None:
         raise _refused(uri, f"folder {path.parent} does not exist")
 
 
-SERVER_CONNECT_TIMEOUT_S = 30.0  # rides out a server restart; a wrong URI fails in 30 s, not ~4 min
+SERVER_CONNECT_TIMEOUT_S = 30.0  # rides out a server restart; nothing listening fails in 30 s, not ~4 min
 
 
 def _check_server_listens(uri: str, scheme: str) -> None:
-    """MLflow's client retries a refused connection with backoff for ~4 minutes before it fails.
-    Tries again each second for up to SERVER_CONNECT_TIMEOUT_S, so a server that is restarting
-    (a rolling deploy) does not fail the step."""
+    """MLflow's client retries a refused connection with backoff before it fails. Tries again each
+    second for up to SERVER_CONNECT_TIMEOUT_S, so a server that is restarting (a rolling deploy) does
+    not fail the step."""
     from urllib.parse import urlparse
 
     from resources.reachability import connection_refusal
@@ -123,3 +124,27 @@ def _check_server_listens(uri: str, scheme: str) -> None:
         raise _refused(uri, f"no MLflow server accepted a connection at "
                             f"{parsed.hostname}:{port} within {SERVER_CONNECT_TIMEOUT_S:g} s ({error}); start it "
                             "(`mlflow server --port ...`) or fix the URI")
+
+
+def _check_server_answers(uri: str) -> None:
+    """A server that accepts connections but never answers (hung, or no HTTP server) would hold every
+    MLflow call for the whole HTTP budget (`MLFLOW_HTTP_BUDGET`, retries included). One GET of MLflow's
+    health endpoint, not retried, with the client's own credentials and TLS settings, finds it here.
+    Any HTTP answer will do: a proxy's 401 or 404 is a server that answers."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+    from requests.exceptions import Timeout
+    from urllib3.exceptions import TimeoutError as PoolTimeout
+
+    timeout_s = bound_mlflow_http_requests(uri)
+    try:
+        http_request(get_default_host_creds(uri), "/health", "GET", max_retries=0, timeout=timeout_s,
+                     raise_on_status=False)
+    except MlflowException as error:
+        cause = error.__cause__ or error.__context__ or error
+        cause = getattr(cause.args[0], "reason", cause) if cause.args else cause  # not "Max retries exceeded"
+        waited = f" within {timeout_s:g} s" if isinstance(cause, (Timeout, PoolTimeout)) else ""
+        raise _refused(uri, f"the server accepted a connection but answered no HTTP request (GET /health){waited} "
+                            f"({type(cause).__name__}: {redact_uri(str(cause))}); is it an MLflow server, and is it "
+                            "up? (MLFLOW_HTTP_REQUEST_TIMEOUT sets how long to wait)") from None

@@ -221,11 +221,12 @@ def run_tracked_training(
         )
         tracking.log_training(run_id, result=result)
     except BaseException as error:
+        # Best effort, and bounded: a tracking server that stopped answering leaves the run RUNNING
+        # (warned), and this error, not one from ending the run, is what the step fails with.
         if (stopped_by := interruption(error)) is not None:  # stopped from outside: KILLED, not a crash
-            tracking.end_interrupted_run(run_id, stopped_by)
-            log.warning("MLflow run %s ended KILLED: stopped by %s", run_id, stopped_by)
-        else:
-            tracking.end_failed_run(run_id, error)
+            if tracking.end_interrupted_run(run_id, stopped_by):
+                log.warning("MLflow run %s ended KILLED: stopped by %s", run_id, stopped_by)
+        elif tracking.end_failed_run(run_id, error):
             log.warning("MLflow run %s ended FAILED (%s)", run_id, type(error).__name__)
         raise
     tracking.end_run(run_id)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from training_core.errors import ConfigError, LineageError
+from training_core.errors import ConfigError, LineageError, TesseraError
 from training_core.lineage import LARGEST_CODE_PATCH, REPO_ROOT, CodeChanges, hardware_tags, uncommitted_code_changes
 from training_core.redaction import redact_uri
 
@@ -23,6 +24,43 @@ log = logging.getLogger(__name__)
 PROCESS_TAG = "tessera.process"  # host:pid:start time of the process that started the run
 FAILURE_TAG = "tessera.failure"  # "Type: message" of the error a FAILED run ended with
 ENDED_BY_TAG = "tessera.ended_by"  # what stopped a KILLED run from outside: "<who>: <how>"
+
+
+# MLflow's defaults (120 s a request, 7 retries with backoff, POSTs too) hold a call to a server that never
+# answers for ~20 min. Ours: 4 tries of 30 s plus backoff, ~2¼ min; a refused connection still rides out a
+# ~14 s restart. An operator's own values win; MLflow reads them per request, so late is in time.
+MLFLOW_HTTP_BUDGET = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+                      "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "2"}
+
+
+def bound_mlflow_http_requests(tracking_uri: str) -> int:
+    """Sets `MLFLOW_HTTP_BUDGET` where the operator has not, for an http(s) URI; returns the timeout in effect (s)."""
+    from urllib.parse import urlparse
+
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_TIMEOUT
+
+    if urlparse(tracking_uri).scheme.split("+")[0] in ("http", "https"):
+        for name, value in MLFLOW_HTTP_BUDGET.items():
+            os.environ.setdefault(name, value)
+    return MLFLOW_HTTP_REQUEST_TIMEOUT.get()
+
+
+def server_did_not_answer(error: BaseException | None) -> BaseException | None:
+    """The connection error or timeout behind ``error`` (or an error it was raised from) when it is
+    MLflow's HTTP client getting no answer from the tracking server; otherwise None."""
+    from mlflow.exceptions import MlflowException
+    from requests.exceptions import ConnectionError as NoConnection, Timeout
+
+    while error is not None:  # Python breaks cycles in the chain it makes
+        cause = error.__cause__ or error.__context__
+        if isinstance(error, MlflowException) and isinstance(cause, (NoConnection, Timeout)):
+            return getattr(cause.args[0], "reason", cause) if cause.args else cause  # urllib3's, not "Max retries"
+        error = cause
+    return None
+
+
+class RunNotRecordedError(TesseraError):
+    """Training finished and published its model, but MLflow did not take the run's results."""
 
 
 def interruption(error: BaseException) -> str | None:
@@ -95,6 +133,7 @@ class MlflowTracking:
         from mlflow.tracking import MlflowClient
 
         self.tracking_uri = tracking_uri
+        bound_mlflow_http_requests(tracking_uri)
         self.client = MlflowClient(tracking_uri)
         existing = self.client.get_experiment_by_name(experiment)
         if existing is None:
@@ -154,7 +193,17 @@ class MlflowTracking:
             self.client.log_artifacts(run_id, str(folder))
 
     def log_training(self, run_id: str, *, result) -> None:
-        """What the run produced: metrics, loss curve, plots, DeepSpeed config and the model."""
+        """What the run produced: metrics, loss curve, plots, DeepSpeed config and the model. Raises
+        ``RunNotRecordedError`` naming the published model folder when MLflow does not take them."""
+        try:
+            self._log_training(run_id, result)
+        except Exception as error:  # the model is on disk: say where, or the operator only sees MLflow's error
+            raise RunNotRecordedError(
+                f"MLflow run {run_id}: training finished and its model is published at {result.model_dir}, but it "
+                f"was not recorded in MLflow at {redact_uri(self.tracking_uri)} (mlflow_tracker.tracking_uri): "
+                f"{type(error).__name__}: {redact_uri(str(error))}") from error
+
+    def _log_training(self, run_id: str, result) -> None:
         from training_core.plots import plot_loss_curve, plot_step_time
         from training_core.train.telemetry import THROUGHPUT_COUNTING
 
@@ -229,29 +278,44 @@ class MlflowTracking:
             self.client.delete_tag(run_id, ENDED_BY_TAG)
         self.client.set_terminated(run_id, status=status)
 
-    def end_failed_run(self, run_id: str, error: BaseException) -> None:
+    def end_failed_run(self, run_id: str, error: BaseException) -> bool:
         """End the run FAILED, saying why in its `tessera.failure` tag: ``Type: message``, with the
-        credentials of any URI in it redacted, cut to MLflow's longest tag value. Best effort: a
-        store that cannot take the tag must not hide the error the run failed with."""
+        credentials of any URI in it redacted, cut to MLflow's longest tag value. Best effort (see
+        :meth:`_end_as_best_it_can`); returns whether the run ended."""
         from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
 
         reason = redact_uri(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
         if len(reason) > MAX_TAG_VAL_LENGTH:
             reason = reason[: MAX_TAG_VAL_LENGTH - 1] + "…"
-        self._tag_as_it_ends(run_id, FAILURE_TAG, reason)
-        self.end_run(run_id, status="FAILED")
+        return self._end_as_best_it_can(run_id, "FAILED", (FAILURE_TAG, reason), server_did_not_answer(error))
 
-    def end_interrupted_run(self, run_id: str, stopped_by: str) -> None:
+    def end_interrupted_run(self, run_id: str, stopped_by: str) -> bool:
         """End the run KILLED, MLflow's status for a run stopped from outside, with `tessera.ended_by`
-        naming what stopped it (:func:`interruption`): a stop is not a crash to debug."""
-        self._tag_as_it_ends(run_id, ENDED_BY_TAG, f"an interruption: {stopped_by}")
-        self.end_run(run_id, status="KILLED")
+        naming what stopped it (:func:`interruption`): a stop is not a crash to debug. Best effort."""
+        return self._end_as_best_it_can(run_id, "KILLED", (ENDED_BY_TAG, f"an interruption: {stopped_by}"), None)
 
-    def _tag_as_it_ends(self, run_id: str, key: str, value: str) -> None:
-        try:
-            self.client.set_tag(run_id, key, value)
-        except Exception as tag_error:  # noqa: BLE001 - the run's own error is the one to raise
-            log.warning("MLflow run %s: could not record why it ended (%s)", run_id, redact_uri(str(tag_error)))
+    def _end_as_best_it_can(self, run_id: str, status: str, tag: tuple[str, str],
+                            no_answer: BaseException | None) -> bool:
+        """Tag why the run ends, then end it. The run's own error is the one to raise, so a failure here
+        is a warning. Once the server gave no answer (to the call the run failed in, or to one of these),
+        the rest is skipped: each call would wait out MLflow's whole HTTP budget again."""
+        calls = [("record why it ended", lambda: self.client.set_tag(run_id, *tag)),
+                 (f"end it {status}", lambda: self.end_run(run_id, status=status))]
+        ended = False
+        for what, call in calls:
+            if no_answer is not None:
+                break
+            try:
+                call()
+                ended = what.startswith("end")
+            except Exception as failure:  # noqa: BLE001 - the run's own error is the one to raise
+                if (no_answer := server_did_not_answer(failure)) is None:
+                    log.warning("MLflow run %s: could not %s (%s)", run_id, what, redact_uri(str(failure)))
+        if no_answer is not None:
+            log.warning("MLflow run %s stays RUNNING: the tracking server %s gave no answer (%s: %s), so it was "
+                        "not ended %s; the next training marks it KILLED once this process has ended", run_id,
+                        redact_uri(self.tracking_uri), type(no_answer).__name__, redact_uri(str(no_answer)), status)
+        return ended
 
     def run_url(self, run_id: str, ui_base: str = "http://127.0.0.1:5000") -> str:
         return f"{ui_base}/#/experiments/{self.experiment_id}/runs/{run_id}"

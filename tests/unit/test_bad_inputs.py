@@ -272,18 +272,26 @@ def test_demo_hidden_size_must_split_into_the_heads():
     ("127.0.0.1:5000", "expected a URI with scheme"),
     ("sqlite:////nonexistent/dir/mlflow.db", "folder /nonexistent/dir does not exist"),
 ])
-def test_mlflow_tracking_uris_that_would_misread_or_start_empty_are_refused(tmp_path, uri, message):
-    import socket
+def test_mlflow_tracking_uris_that_would_misread_or_start_empty_are_refused(tmp_path, uri, message, monkeypatch):
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
 
     from resources.mlflow_tracker import check_tracking_uri
+    from training_core.tracking import MLFLOW_HTTP_BUDGET
 
+    for name, value in MLFLOW_HTTP_BUDGET.items():  # what the check sets for an http URI: restored afterwards
+        monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=f"mlflow_tracker.tracking_uri '{uri}': {message}"):
         check_tracking_uri(uri)
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        for good in (f"http://127.0.0.1:{server.getsockname()[1]}", f"sqlite:///{tmp_path / 'mlflow.db'}"):
+    server = HTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)  # answers every request, if with a 501
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    try:
+        for good in (f"http://127.0.0.1:{server.server_address[1]}", f"sqlite:///{tmp_path / 'mlflow.db'}"):
             check_tracking_uri(good)
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_database_tracking_uri_whose_driver_is_not_installed_names_the_module_not_a_damaged_store():
