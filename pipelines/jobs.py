@@ -141,7 +141,7 @@ def daily_retrain(embedded_defaults_allowed: bool = True) -> dg.ScheduleDefiniti
         for day in candidates:
             # The run materializes its own day only; lora_adapter also reads the window's earlier days.
             blocked = _why_not_ready(context.instance, day, backfilled, ours, run_config_file,
-                                     fresh_deployment=first_tried is None)
+                                     _last_chance(first_tried is None, day == recent[0]))
             if blocked is None:
                 if oldest_blocked:
                     context.log.info(f"starting {demo_job.name} for {day}; older days wait: {oldest_blocked}")
@@ -224,7 +224,7 @@ WINDOW_DAY_ASSETS = ("raw_examples", "training_dataset", "row_group_cache")
 
 
 def _why_not_ready(instance: dg.DagsterInstance, day: str, backfilled: dict[str, str], ours: OurDailyAssets,
-                   run_config_file: str | None, fresh_deployment: bool) -> str | None:
+                   run_config_file: str | None, last_chance: str) -> str | None:
     """Why a run for `day` cannot start now, or None. Another run of the day itself, or a backfill that
     targets it, would write the same partitions at once; a later day whose window reads `day` and is being
     built would train beside it on the data it rewrites, and be promoted before it. An earlier day of its
@@ -267,14 +267,20 @@ def _why_not_ready(instance: dg.DagsterInstance, day: str, backfilled: dict[str,
         f"not starting {demo_job.name} for {day}: its training window also reads {', '.join(missing)}, where "
         f"row_group_cache was never materialized, so lora_adapter would fail. Backfill assets {','.join(selection)} "
         f"for partition{'s' if len(missing) > 1 else ''} {', '.join(missing)}{with_config}; a later tick then "
-        f"starts {demo_job.name} for {day}" + (_BEFORE_THE_NEXT_DAY_CLOSES if fresh_deployment else "")
+        f"starts {demo_job.name} for {day}{last_chance}"
     )
 
 
 # A fresh deployment considers the day that just closed only: the advice holds until the next one closes.
-_BEFORE_THE_NEXT_DAY_CLOSES = (
-    f" if the backfill ends before {EXPORT_LANDED_HOUR:02}:00 UTC tomorrow (no day has trained yet: each day's "
-    "ticks consider the day that just closed only)")
+def _last_chance(fresh_deployment: bool, oldest_considered: bool) -> str:
+    """When the day is considered for the last time today, until when the advice to backfill holds."""
+    if fresh_deployment:
+        why = "no day has trained yet: each day's ticks consider the day that just closed only"
+    elif oldest_considered:
+        why = f"from then on it is no longer among the last {CATCH_UP_DAYS} closed days"
+    else:
+        return ""
+    return f" if the backfill ends before {EXPORT_LANDED_HOUR:02}:00 UTC tomorrow ({why})"
 
 
 def _going(instance: dg.DagsterInstance, days: list[str], backfilled: dict[str, str],

@@ -222,7 +222,8 @@ def test_after_a_pause_longer_than_a_week_the_last_seven_days_are_caught_up_olde
         "not starting train_and_promote for 2026-11-03: its training window also reads 2026-11-02, where "
         "row_group_cache was never materialized, so lora_adapter would fail. Backfill assets "
         "base_model,raw_examples,training_dataset,row_group_cache for partition 2026-11-02; a later tick then starts "
-        "train_and_promote for 2026-11-03. Days after it wait their turn: 2026-11-04, 2026-11-05, 2026-11-06, "
+        "train_and_promote for 2026-11-03 if the backfill ends before 02:00 UTC tomorrow (from then on it is no "
+        "longer among the last 7 closed days). Days after it wait their turn: 2026-11-04, 2026-11-05, 2026-11-06, "
         "2026-11-07, 2026-11-08, 2026-11-09")
     instance.report_runless_asset_event(dg.AssetMaterialization("row_group_cache", partition="2026-11-02"))
     assert _requested(_tick(instance, 10, 3)) == ["2026-11-03"]
@@ -238,7 +239,8 @@ def test_days_waiting_behind_a_failed_day_keep_their_turn_once_it_leaves_the_las
         "not starting train_and_promote for 2026-11-04: its training window also reads 2026-11-03, where "
         "row_group_cache was never materialized, so lora_adapter would fail. Backfill assets "
         "base_model,raw_examples,training_dataset,row_group_cache for partition 2026-11-03; a later tick then starts "
-        "train_and_promote for 2026-11-04. Days after it wait their turn: 2026-11-05, 2026-11-06, 2026-11-07, "
+        "train_and_promote for 2026-11-04 if the backfill ends before 02:00 UTC tomorrow (from then on it is no "
+        "longer among the last 7 closed days). Days after it wait their turn: 2026-11-05, 2026-11-06, 2026-11-07, "
         "2026-11-08, 2026-11-09, 2026-11-10")
     for asset in ("raw_examples", "training_dataset", "row_group_cache"):  # the operator backfills 11-03
         instance.report_runless_asset_event(dg.AssetMaterialization(asset, partition="2026-11-03"))
