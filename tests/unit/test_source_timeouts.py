@@ -2,9 +2,11 @@
 with a message that says it timed out (a TimeoutError prints as an empty string)."""
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -63,3 +65,41 @@ def test_an_http_source_that_never_answers_fails_within_the_request_timeout(sile
     assert f"source {silent_server}/day/: cannot be listed (timed out" in str(error)
     assert "no answer within 0.5 s" in str(error)
     assert outcome["elapsed_s"] < 10
+
+
+class _SlowlyStreamedFile(BaseHTTPRequestHandler):
+    """A JSONL file of unknown size (chunked, no Content-Length: fsspec reads it in one GET) whose lines
+    arrive 0.1 s apart, 1.2 s in all: a slow link, never silent for long."""
+
+    protocol_version = "HTTP/1.1"
+    LINES = 12
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for index in range(self.LINES):
+            line = (json.dumps({"prompt": f"q{index}", "response": f"a{index}"}) + "\n").encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            self.wfile.flush()
+            time.sleep(0.1)  # the link's pace, not synchronization: the reader waits on the socket
+        self.wfile.write(b"0\r\n\r\n")
+
+
+def test_a_file_streamed_for_longer_than_the_request_timeout_is_read_while_its_bytes_keep_coming(monkeypatch):
+    monkeypatch.setattr(source_files, "HTTP_REQUEST_TIMEOUT_S", 0.5)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowlyStreamedFile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        records = list(iter_records(f"http://127.0.0.1:{server.server_address[1]}/day.jsonl"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert len(records) == _SlowlyStreamedFile.LINES

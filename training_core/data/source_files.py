@@ -88,13 +88,16 @@ def redacted_cause(error: Exception) -> str:
     return redact_uri(cause)
 
 
-def _http_options() -> dict[str, Any]:
-    """fsspec options of an HTTP(S) source: a request gets as long as the loader gives one storage request
-    (HTTP_REQUEST_TIMEOUT_S); aiohttp's default waits 300 s. A limit on the whole request, not on
-    silence between reads: fsspec's `exists` takes aiohttp's read timeout for "not found"."""
+def _http_options(reading: bool) -> dict[str, Any]:
+    """fsspec options of an HTTP(S) source; aiohttp's default waits 300 s for a silent server. Listing: a
+    request gets HTTP_REQUEST_TIMEOUT_S in all (the loader's storage request), a limit on the whole
+    request because fsspec's `exists` takes a read timeout for "not found". Reading: the same limit on
+    silence only, since a file of unknown size streams in one request that may rightly take longer."""
     import aiohttp  # fsspec's HTTP filesystem needs it; imported only for HTTP sources
 
-    return {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=HTTP_REQUEST_TIMEOUT_S)}}
+    timeout = (aiohttp.ClientTimeout(total=None, sock_connect=HTTP_REQUEST_TIMEOUT_S, sock_read=HTTP_REQUEST_TIMEOUT_S)
+               if reading else aiohttp.ClientTimeout(total=HTTP_REQUEST_TIMEOUT_S))
+    return {"client_kwargs": {"timeout": timeout}}
 
 
 def chainable_unless_credentials(error: Exception) -> Exception | None:
@@ -175,7 +178,8 @@ def _list_uri(uri: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
     shown = redact_uri(uri)
     is_http = fsspec.core.split_protocol(uri)[0] in ("http", "https")
     try:
-        fs, root = fsspec.core.url_to_fs(uri, **(_http_options() if is_http else {}))
+        fs, root = fsspec.core.url_to_fs(uri, **(_http_options(reading=False) if is_http else {}))
+        reading_fs = fsspec.core.url_to_fs(uri, **_http_options(reading=True))[0] if is_http else fs
     except Exception as error:  # ImportError: s3fs/gcsfs not installed; ValueError: unknown protocol
         raise SourceDataError(f"source {shown}: cannot open its filesystem ({redacted_cause(error)})") from chainable_unless_credentials(error)
     if isinstance(fs, LocalFileSystem):  # file://: links are followed as for a plain path
@@ -192,7 +196,7 @@ def _list_uri(uri: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
     if not exists:
         raise SourceDataError(f"source path {shown} does not exist")
     if is_file:
-        return False, [(PurePosixPath(root).name, SourceFile(shown, root, fs))]
+        return False, [(PurePosixPath(root).name, SourceFile(shown, root, reading_fs))]
     base = root.rstrip("/") + "/"
     relative = sorted((p[len(base):] for p in found if p.startswith(base) and len(p) > len(base)),
                       key=lambda r: PurePosixPath(r).parts)  # parts, as local Paths sort
@@ -205,7 +209,8 @@ def _list_uri(uri: str) -> tuple[bool, list[tuple[str, SourceFile]]]:
             uncommitted[folder] = uncommitted.get(folder, 0) + 1
     listed = set(relative)
     _refuse_uncommitted_export(shown, uncommitted, lambda r: r in listed)
-    return True, [(r, SourceFile(f"{shown.rstrip('/')}/{r}", base + r, fs)) for r in relative if not is_hidden_or_underscore(r)]
+    return True, [(r, SourceFile(f"{shown.rstrip('/')}/{r}", base + r, reading_fs))
+                  for r in relative if not is_hidden_or_underscore(r)]
 
 
 def list_source_files(source: str | Path) -> list[SourceFile]:
