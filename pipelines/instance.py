@@ -100,7 +100,11 @@ def fail_abandoned_runs(instance) -> list[str]:
         # an inherited tag names the parent run's process: this run's own is unknown, so left alone
         if launcher is None or inherited_launcher_tag(instance, run) or not process_is_gone(launcher):
             continue
-        instance.report_run_failed(run, f"launcher process {launcher} is gone; marked failed by tessera")
+        # Read again: a run that ended by itself just before its process exited has its own status, and
+        # Dagster would record FAILURE after its SUCCESS.
+        if (current := instance.get_run_by_id(run.run_id)) is None or current.is_finished:
+            continue
+        instance.report_run_failed(current, f"launcher process {launcher} is gone; marked failed by tessera")
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
         abandoned.append(run.run_id)
     return abandoned

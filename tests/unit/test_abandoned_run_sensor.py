@@ -63,3 +63,25 @@ def test_the_sensor_runs_by_default_in_the_local_code_location_only():
     assert SENSOR.minimum_interval_seconds == 60
     # On Kubernetes every run is a pod on another host: Dagster's run monitoring judges those.
     assert not list(kubernetes_defs.sensors or [])
+
+
+def test_a_run_that_ended_by_itself_as_its_process_exited_keeps_its_own_status(monkeypatch):
+    """The sweep lists STARTED runs, then asks whether each launcher is gone: a run whose last event was
+    its own success just before its process exited in between was recorded FAILURE after SUCCESS."""
+    import training_core.process_identity as process_identity
+    from pipelines.instance import fail_abandoned_runs
+
+    with dg.instance_for_test() as instance:
+        run = instance.add_run(DagsterRun(job_name="train_and_promote", run_id="succeeding",
+                                          status=dg.DagsterRunStatus.STARTED,
+                                          tags={LAUNCHER_TAG: _identity_of_a_finished_process()}))
+        judge = process_identity.process_is_gone
+
+        def succeeds_then_exits(launcher: str) -> bool:
+            instance.report_dagster_event(dg.DagsterEvent(dg.DagsterEventType.RUN_SUCCESS.value,
+                                                          job_name=run.job_name), run_id=run.run_id)
+            return judge(launcher)
+
+        monkeypatch.setattr(process_identity, "process_is_gone", succeeds_then_exits)
+        assert fail_abandoned_runs(instance) == []
+        assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.SUCCESS
