@@ -166,18 +166,22 @@ def _first_day_trained_or_tried(instance: dg.DagsterInstance) -> str | None:
     """The first day that ever had a lora_adapter or a run of the job: retraining started then. None: never.
     `tessera demo`'s runs (DEMO_RUN_TAG) do not count: a demo tried first on the deployment's instance would
     make every recent day look left behind."""
-    days = {run.tags["dagster/partition"] for run in instance.get_runs(filters=dg.RunsFilter(job_name=demo_job.name))
-            if "dagster/partition" in run.tags and DEMO_RUN_TAG not in run.tags}
+    first_run_day = min((run.tags["dagster/partition"] for run in instance.get_runs(
+        filters=dg.RunsFilter(job_name=demo_job.name)) if "dagster/partition" in run.tags
+        and DEMO_RUN_TAG not in run.tags), default=None)
     for day in sorted(instance.get_materialized_partitions(dg.AssetKey("lora_adapter"))):
-        if days and day >= min(days):
+        if first_run_day is not None and day >= first_run_day:
             break
-        latest = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey("lora_adapter"), asset_partitions=[day]), limit=1).records
-        run = instance.get_run_by_id(latest[0].run_id) if latest and latest[0].run_id else None
-        if run is None or DEMO_RUN_TAG not in run.tags:
-            days.add(day)
-            break
-    return min(days, default=None)
+        if not _trained_by_the_demo(instance, day):
+            return day
+    return first_run_day
+
+
+def _trained_by_the_demo(instance: dg.DagsterInstance, day: str) -> bool:
+    latest = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("lora_adapter"), asset_partitions=[day]), limit=1).records
+    run = instance.get_run_by_id(latest[0].run_id) if latest and latest[0].run_id else None
+    return run is not None and DEMO_RUN_TAG in run.tags
 
 
 def _days_in_unfinished_backfills(instance: dg.DagsterInstance, ours: OurDailyAssets) -> dict[str, str]:
@@ -271,7 +275,6 @@ def _why_not_ready(instance: dg.DagsterInstance, day: str, backfilled: dict[str,
     )
 
 
-# A fresh deployment considers the day that just closed only: the advice holds until the next one closes.
 def _last_chance(fresh_deployment: bool, oldest_considered: bool) -> str:
     """When the day is considered for the last time today, until when the advice to backfill holds."""
     if fresh_deployment:
