@@ -254,25 +254,25 @@ def _why_not_ready(instance: dg.DagsterInstance, day: str, backfilled: dict[str,
             f"for {day} once {'they have' if several else 'it has'} ended"
         )
     missing = [earlier for earlier in earlier_days if not materialized_for_day(instance, "row_group_cache", earlier)]
-    if not missing:
-        if later := _going(instance, later_window_days(day), backfilled, ours):
-            several, what = len(later) > 1, "; ".join(f"{d}: {later[d]}" for d in sorted(later))
-            return (
-                f"not starting {demo_job.name} for {day}: {', '.join(sorted(later))}, whose training window reads "
-                f"{day}, {'are' if several else 'is'} being built ({what}); a later tick starts {demo_job.name} "
-                f"for {day} once {'they have' if several else 'it has'} ended"
-            )
-        return None
-    # The backfill's training_dataset reads base_model: include it where no run has built it yet.
-    selection = ([] if instance.fetch_materializations(dg.AssetKey("base_model"), limit=1).records
-                 else ["base_model"]) + list(WINDOW_DAY_ASSETS)
-    with_config = f" with the run config in {run_config_file}" if run_config_file else ""
-    return (
-        f"not starting {demo_job.name} for {day}: its training window also reads {', '.join(missing)}, where "
-        f"row_group_cache was never materialized, so lora_adapter would fail. Backfill assets {','.join(selection)} "
-        f"for partition{'s' if len(missing) > 1 else ''} {', '.join(missing)}{with_config}; a later tick then "
-        f"starts {demo_job.name} for {day}{last_chance}"
-    )
+    if missing:
+        # The backfill's training_dataset reads base_model: include it where no run has built it yet.
+        selection = ([] if instance.fetch_materializations(dg.AssetKey("base_model"), limit=1).records
+                     else ["base_model"]) + list(WINDOW_DAY_ASSETS)
+        with_config = f" with the run config in {run_config_file}" if run_config_file else ""
+        return (
+            f"not starting {demo_job.name} for {day}: its training window also reads {', '.join(missing)}, where "
+            f"row_group_cache was never materialized, so lora_adapter would fail. Backfill assets "
+            f"{','.join(selection)} for partition{'s' if len(missing) > 1 else ''} {', '.join(missing)}{with_config}; "
+            f"a later tick then starts {demo_job.name} for {day}{last_chance}"
+        )
+    if later := _going(instance, later_window_days(day), backfilled, ours):
+        several, what = len(later) > 1, "; ".join(f"{d}: {later[d]}" for d in sorted(later))
+        return (
+            f"not starting {demo_job.name} for {day}: {', '.join(sorted(later))}, whose training window reads "
+            f"{day}, {'are' if several else 'is'} being built ({what}); a later tick starts {demo_job.name} "
+            f"for {day} once {'they have' if several else 'it has'} ended"
+        )
+    return None
 
 
 def _last_chance(fresh_deployment: bool, oldest_considered: bool) -> str:
