@@ -377,11 +377,6 @@ def answer_to_grpc_preface(host: str, port: int, timeout_s: float = PROTOCOL_CHE
     return PeerAnswer()
 
 
-def http1_status_line(host: str, port: int, timeout_s: float = PROTOCOL_CHECK_TIMEOUT_S) -> str | None:
-    """The status line an HTTP/1 server at ``host:port`` answers with; None for a peer that answers in
-    HTTP/2, or not in HTTP/1 within ``timeout_s`` (a TLS port, a silent one)."""
-    return answer_to_grpc_preface(host, port, timeout_s).http1_status_line
-
 
 def check_cluster_capacity(training_config, ray_cluster: Any, log: Any, poll_s: float = 1.0) -> None:
     """Fail before Ray Train waits for ever for a worker group the connected cluster cannot hold;
@@ -443,5 +438,5 @@ def gpu_available_in_cluster() -> bool:
 
 __all__ = ["ClusterCeiling", "LocalRayCluster", "ExternalRayCluster", "RayClusterUnreachable", "RayDataOptions",
            "RayResource", "alive_node_resources", "check_cluster_capacity", "connect_to_cluster",
-           "connect_unless_connected", "gpu_available_in_cluster", "http1_status_line", "wait_until_reachable",
+           "connect_unless_connected", "gpu_available_in_cluster", "wait_until_reachable",
            "answer_to_grpc_preface", "host_ray_dials", "PeerAnswer"]

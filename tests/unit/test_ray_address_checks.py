@@ -62,11 +62,11 @@ def test_an_http_server_at_the_address_is_refused_within_seconds(server, request
 
 @pytest.mark.integration  # starts Ray
 def test_a_real_ray_gcs_address_passes_the_check(ray_session):
-    from resources.ray_cluster import http1_status_line
+    from resources.ray_cluster import PeerAnswer, answer_to_grpc_preface
 
     gcs_address = ray_session.get_runtime_context().gcs_address
     host, _, port = gcs_address.rpartition(":")
-    assert http1_status_line(host, int(port)) is None
+    assert answer_to_grpc_preface(host, int(port)) == PeerAnswer()  # answered in HTTP/2, at once
     wait_until_reachable(gcs_address, timeout_s=5)
 
 
