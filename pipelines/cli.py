@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from pipelines.instance import (
-    LAUNCHER_TAG, AbandonedRunWatch, fail_abandoned_runs, load_instance, prepare_home,
+    LAUNCHER_TAG, AbandonedRunWatch, fail_abandoned_runs, free_slots_of_ended_runs, load_instance, prepare_home,
 )
 from training_core.process_identity import this_process
 
@@ -36,14 +36,13 @@ def demo(args: argparse.Namespace) -> int:
     console.rule(f"[bold]Tessera demo[/] — partition {DEMO_PARTITION}, state in {root}")
     job = defs.resolve_job_def("train_and_promote")
     instance = load_instance()  # a damaged dagster.yaml is named, not a YAML traceback
-    def freed(run_id: str) -> None:
-        console.print(f"run {run_id} was abandoned by a killed process: marked failed, its pool slot freed")
-
     for run_id in fail_abandoned_runs(instance):
-        freed(run_id)
+        _say_abandoned(run_id)
+    for run_id in free_slots_of_ended_runs(instance):
+        _say_released(run_id)
     # also while waiting for the training slot, should its holder be killed meanwhile
     with console.status("materializing raw_examples → … → promoted_model (Dagster logs below)"), \
-            AbandonedRunWatch(instance, freed):
+            AbandonedRunWatch(instance, _say_abandoned, _say_released):
         result = job.execute_in_process(
             partition_key=DEMO_PARTITION, instance=instance, raise_on_error=False,
             tags=demo_run_tags(),
@@ -166,11 +165,23 @@ def free_slots(args: argparse.Namespace) -> int:
     if not (root / "dagster").is_dir():
         raise ConfigError(f"state folder {root} has no Dagster instance (no {root / 'dagster'}); pass --home")
     prepare_home(str(root))
-    freed = fail_abandoned_runs(load_instance())
+    instance = load_instance()
+    freed = fail_abandoned_runs(instance)
     for run_id in freed:
-        console.print(f"run {run_id} was abandoned by a killed process: marked failed, its pool slot freed")
-    console.print(f"{len(freed)} abandoned run(s) in {root}")
+        _say_abandoned(run_id)
+    released = free_slots_of_ended_runs(instance)
+    for run_id in released:
+        _say_released(run_id)
+    console.print(f"{len(freed)} abandoned run(s) in {root}; {len(released)} ended run(s) still holding a slot")
     return 0
+
+
+def _say_abandoned(run_id: str) -> None:
+    console.print(f"run {run_id} was abandoned by a killed process: marked failed, its pool slot freed")
+
+
+def _say_released(run_id: str) -> None:
+    console.print(f"run {run_id} had ended but still held its training pool slot (or place in its queue): freed")
 
 
 def demo_run_tags() -> dict[str, str]:
@@ -209,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         "free-slots", help="fail runs whose process was killed, freeing their training pool slots",
         description="A run killed while training holds the training pool's slot until something marks it failed: "
                     "dagster dev's run monitoring, the next tessera demo, or this command (for runs started with "
-                    "Dagster's own CLI). Only runs whose launching process is certainly gone on this host are touched.")
+                    "Dagster's own CLI). Only runs whose launching process is certainly gone on this host are touched. "
+                    "Slots that runs which have ended still hold (a killed run the code server failed) are freed.")
     p_free.add_argument("--home", help="state directory (default $TESSERA_HOME or .tessera/)")
     p_free.set_defaults(handler=free_slots)
     p_bench = sub.add_parser("bench", help="run a benchmark; writes bench/results/loader.json or training.json, and .png")

@@ -21,6 +21,9 @@ nux:
 run_monitoring:
   # The daemon fails runs stuck STARTING or CANCELING; the code server, runs it launched whose process died.
   enabled: true
+  # ... but such a run keeps its training pool slot (and a run canceled while waiting, its place in the queue)
+  # unless the daemon frees what ended runs still hold.
+  free_slots_after_run_end_seconds: 30
 concurrency:
   pools:
     # Only lora_adapter uses a pool ("training"): at most this many trainings at once.
@@ -110,14 +113,34 @@ def fail_abandoned_runs(instance) -> list[str]:
     return abandoned
 
 
+def free_slots_of_ended_runs(instance) -> list[str]:
+    """Runs that have ended but still hold a training pool slot, or a place in its queue: the code server
+    marks a run it launched whose process was killed FAILURE without freeing its slot, and a run canceled
+    while it waited keeps its place, to which the next freed slot is handed. Dagster's daemon frees them only
+    where `run_monitoring.free_slots_after_run_end_seconds` is set, which instances made by earlier versions
+    lack. Returns the runs whose slots were freed."""
+    import dagster as dg
+
+    holding = instance.event_log_storage.get_concurrency_run_ids()
+    if not holding:
+        return []
+    ended_statuses = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
+    ended = instance.get_runs(filters=dg.RunsFilter(run_ids=sorted(holding), statuses=ended_statuses))
+    for run in ended:
+        instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+    return [run.run_id for run in ended]
+
+
 class AbandonedRunWatch:
     """While a launcher's own run executes (and may wait for the training pool's slot), frees every
     few seconds the slots of runs whose process was killed meanwhile. Without it, a `tessera demo`
     waiting behind a demo that was killed waited for ever: the slot was freed only by the next
-    launch. ``on_freed(run_id)`` is called for each run it marks failed."""
+    launch. ``on_freed(run_id)`` is called for each run it marks failed, ``on_released(run_id)`` for each
+    run that had ended still holding the slot (:func:`free_slots_of_ended_runs`)."""
 
-    def __init__(self, instance, on_freed, interval_s: float = 5.0) -> None:
-        self._instance, self._on_freed, self._interval_s = instance, on_freed, interval_s
+    def __init__(self, instance, on_freed, on_released, interval_s: float = 5.0) -> None:
+        self._instance, self._on_freed, self._on_released = instance, on_freed, on_released
+        self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="tessera-abandoned-run-watch", daemon=True)
 
@@ -134,6 +157,8 @@ class AbandonedRunWatch:
             try:
                 for run_id in fail_abandoned_runs(self._instance):
                     self._on_freed(run_id)
+                for run_id in free_slots_of_ended_runs(self._instance):
+                    self._on_released(run_id)
             except Exception as error:  # noqa: BLE001 - a storage hiccup must not end the launcher's run
                 log.warning("checking for abandoned runs failed (%s: %s); trying again", type(error).__name__, error)
 

@@ -85,3 +85,29 @@ def test_a_run_that_ended_by_itself_as_its_process_exited_keeps_its_own_status(m
         monkeypatch.setattr(process_identity, "process_is_gone", succeeds_then_exits)
         assert fail_abandoned_runs(instance) == []
         assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.SUCCESS
+
+
+def test_the_sensor_frees_the_slot_and_queue_places_that_ended_runs_still_hold():
+    """The code server marks a run it launched whose process was killed FAILURE but frees none of its pool
+    slots, and a run canceled while it waited keeps its place in the queue, to which a freed slot is
+    handed next: either way the training pool stayed taken and every later training waited for ever."""
+    with dg.instance_for_test() as instance:
+        storage = instance.event_log_storage
+        storage.set_concurrency_slots("training", 1)
+        for run_id in ("killed-by-oom", "canceled-while-waiting", "waiting-now"):
+            instance.add_run(DagsterRun(job_name="train_and_promote", run_id=run_id,
+                                        status=dg.DagsterRunStatus.STARTED))
+            storage.claim_concurrency_slot("training", run_id, "lora_adapter")
+        instance.report_run_failed(instance.get_run_by_id("killed-by-oom"), "run worker terminated by signal 9")
+        instance.report_run_canceled(instance.get_run_by_id("canceled-while-waiting"))
+        assert not storage.claim_concurrency_slot("training", "waiting-now", "lora_adapter").is_claimed
+
+        with dg.build_sensor_context(instance=instance, repository_def=defs.get_repository_def()) as context:
+            result = SENSOR.evaluate_tick(context)
+
+        assert result.skip_message == ("freed the pool slots that ended runs still held: "
+                                       "canceled-while-waiting, killed-by-oom")
+        assert storage.claim_concurrency_slot("training", "waiting-now", "lora_adapter").is_claimed
+        with dg.build_sensor_context(instance=instance, repository_def=defs.get_repository_def()) as context:
+            assert SENSOR.evaluate_tick(context).skip_message == (
+                "no run abandoned by a killed process, no slot held by an ended run")

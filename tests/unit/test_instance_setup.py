@@ -120,3 +120,17 @@ def test_training_cores_info_lines_reach_the_runs_dagster_log_once_on_the_termin
     assert not any("another library" in message for message in logged)
     assert [message for message in printed if "abc123" in message or "another library" in message] == [
         "a line of another library"]
+
+
+def test_the_daemon_frees_the_pool_slots_that_ended_runs_still_hold(tmp_path, state_env):
+    """dagster dev's code server marks a run it launched whose process was killed FAILURE without freeing its
+    training slot: Dagster's daemon frees it only where the instance asks it to."""
+    from pipelines.instance import load_instance, prepare_home
+
+    prepare_home(str(tmp_path))
+    instance = load_instance()
+    try:
+        assert instance.run_monitoring_settings["free_slots_after_run_end_seconds"] == 30
+        assert instance.run_monitoring_enabled
+    finally:
+        instance.dispose()

@@ -267,7 +267,7 @@ def test_a_launcher_frees_the_slot_of_a_run_killed_while_it_waits():
         seen.append(run_id)
         freed.set()
 
-    with AbandonedRunWatch(instance, on_freed, interval_s=0.05):
+    with AbandonedRunWatch(instance, on_freed, on_released=seen.append, interval_s=0.05):
         # the slot holder dies after the launcher started waiting
         instance.add_run(DagsterRun(job_name="train_and_promote", run_id="run-killed",
                                     status=dg.DagsterRunStatus.STARTED, tags={LAUNCHER_TAG: _dead_process()}))
