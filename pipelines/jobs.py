@@ -166,15 +166,24 @@ def _first_day_trained_or_tried(instance: dg.DagsterInstance) -> str | None:
     """The first day that ever had a lora_adapter or a run of the job: retraining started then. None: never.
     `tessera demo`'s runs (DEMO_RUN_TAG) do not count: a demo tried first on the deployment's instance would
     make every recent day look left behind."""
-    first_run_day = min((run.tags["dagster/partition"] for run in instance.get_runs(
-        filters=dg.RunsFilter(job_name=demo_job.name)) if "dagster/partition" in run.tags
-        and DEMO_RUN_TAG not in run.tags), default=None)
+    first_run_day = _first_run_day(instance)
     for day in sorted(instance.get_materialized_partitions(dg.AssetKey("lora_adapter"))):
         if first_run_day is not None and day >= first_run_day:
             break
         if not _trained_by_the_demo(instance, day):
             return day
     return first_run_day
+
+
+def _first_run_day(instance: dg.DagsterInstance) -> str | None:
+    """The first day a run of the job that was not `tessera demo`'s was for. Reads Dagster's index of runs by
+    partition (a row a day), not every run: a year-old instance's ~10 000 runs took seconds each hourly tick."""
+    days = {data.partition for data in instance.get_run_partition_data(dg.RunsFilter(job_name=demo_job.name))}
+    for day in sorted(days):  # only the demo's day has runs of the demo alone
+        runs = instance.get_runs(filters=dg.RunsFilter(job_name=demo_job.name, tags={"dagster/partition": day}))
+        if any(DEMO_RUN_TAG not in run.tags for run in runs):
+            return day
+    return None
 
 
 def _trained_by_the_demo(instance: dg.DagsterInstance, day: str) -> bool:
