@@ -221,3 +221,43 @@ def test_a_finished_training_mlflow_did_not_record_names_its_model_and_does_not_
     # Logging the results waited once; the run's ending knew from that error not to try.
     assert hung[0].connections() == 1
     assert [m for m in caplog.messages if m.startswith(f"MLflow run {run_id} stays RUNNING")]
+
+
+def test_a_run_the_store_would_not_end_is_not_reported_ended(tmp_path, monkeypatch):
+    """The failure tag is written but ending the run fails: the caller must not log 'ended FAILED'."""
+    from mlflow.exceptions import MlflowException
+
+    tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
+    run_id = tracking.client.create_run(tracking.experiment_id).info.run_id
+
+    def refused(*args, **kwargs):
+        raise MlflowException("INTERNAL_ERROR: the store refused")
+
+    monkeypatch.setattr(tracking.client, "set_terminated", refused)
+    assert tracking.end_failed_run(run_id, RuntimeError("boom")) is False
+    assert tracking.client.get_run(run_id).data.tags["tessera.failure"] == "RuntimeError: boom"
+
+
+def test_a_server_whose_health_answer_is_503_is_a_server_that_answers(monkeypatch):
+    """A proxy in front of MLflow answering 503 (a rolling deploy) is not 'a server that never answers'."""
+    import http.server
+
+    from resources.mlflow_tracker import _check_server_answers
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        _check_server_answers(f"http://127.0.0.1:{server.server_port}")  # raises ConfigError if refused
+    finally:
+        server.shutdown()
+        server.server_close()

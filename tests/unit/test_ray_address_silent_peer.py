@@ -90,3 +90,50 @@ def test_a_server_on_the_loopback_only_is_not_what_ray_reaches(loopback_only_grp
 @pytest.mark.parametrize("scheme", ["", "ray://"])
 def test_a_grpc_server_passes_the_check(grpc_port, scheme):
     wait_until_reachable(f"{scheme}127.0.0.1:{grpc_port}", timeout_s=5)
+
+
+_EMPTY_SETTINGS_FRAME = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # what a gRPC server sends first
+
+
+def _late_or_slow_grpc_peer(port: int, listen_after_s: float, answer_after_s: float, stop) -> None:
+    """A head node that starts listening `listen_after_s` late, then answers each preface `answer_after_s`
+    late (the delays are what is simulated, not a wait for the other side)."""
+    import threading
+    import time
+
+    time.sleep(listen_after_s)
+    with socket.create_server(("0.0.0.0", port), backlog=16) as listener:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                peer, _ = listener.accept()
+            except TimeoutError:
+                continue
+
+            def answer(peer=peer):
+                with peer:
+                    time.sleep(answer_after_s)
+                    try:
+                        peer.recv(64)
+                        peer.sendall(_EMPTY_SETTINGS_FRAME)
+                        peer.recv(64)  # until the client closes
+                    except OSError:
+                        pass
+            threading.Thread(target=answer, daemon=True).start()
+
+
+@pytest.mark.parametrize("listen_after_s, answer_after_s", [(3.5, 0), (0, 3)], ids=["starts-late", "answers-late"])
+def test_a_head_node_starting_or_answering_late_passes_within_connect_timeout(listen_after_s, answer_after_s):
+    """connect_timeout_s is the whole wait, not a 2 s protocol check: a head node still starting, or a busy
+    GCS, is not refused as silent (the refusal says 'within {connect_timeout_s} s')."""
+    import threading
+
+    with socket.create_server(("0.0.0.0", 0)) as probe:
+        port = probe.getsockname()[1]
+    stop = threading.Event()
+    threading.Thread(target=_late_or_slow_grpc_peer, args=(port, listen_after_s, answer_after_s, stop),
+                     daemon=True).start()
+    try:
+        wait_until_reachable(f"127.0.0.1:{port}", timeout_s=15)
+    finally:
+        stop.set()

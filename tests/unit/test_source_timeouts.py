@@ -103,3 +103,40 @@ def test_a_file_streamed_for_longer_than_the_request_timeout_is_read_while_its_b
         server.shutdown()
         server.server_close()
     assert len(records) == _SlowlyStreamedFile.LINES
+
+
+class _StallsAfterItsHeaders(_SlowlyStreamedFile):
+    """A file whose server sends its headers, then nothing more (a stuck upstream behind a proxy)."""
+
+    released = threading.Event()  # set when the test ends, so the handler thread returns
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.wfile.flush()
+        self.released.wait(60)
+
+
+def test_a_file_that_falls_silent_after_its_headers_fails_within_the_request_timeout(monkeypatch):
+    monkeypatch.setattr(source_files, "HTTP_REQUEST_TIMEOUT_S", 0.5)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StallsAfterItsHeaders)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    outcome: dict[str, object] = {}
+
+    def read() -> None:
+        try:
+            list(iter_records(f"http://127.0.0.1:{server.server_address[1]}/day.jsonl"))
+        except Exception as error:  # noqa: BLE001 - judged below
+            outcome["error"] = error
+
+    reader = threading.Thread(target=read, daemon=True)  # without sock_read the read never ends
+    reader.start()
+    reader.join(20)
+    _StallsAfterItsHeaders.released.set()
+    server.shutdown()
+    server.server_close()
+    assert not reader.is_alive(), "reading a file that fell silent did not give up within 20 s"
+    assert isinstance(outcome["error"], SourceDataError)
+    assert "timed out" in str(outcome["error"]), outcome["error"]
