@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from pipelines.instance import (
-    LAUNCHER_TAG, AbandonedRunWatch, fail_abandoned_runs, free_slots_of_ended_runs, load_instance, prepare_home,
+    LAUNCHER_TAG, AbandonedRunWatch, free_training_pool, load_instance, prepare_home,
 )
 from training_core.process_identity import this_process
 
@@ -36,10 +36,7 @@ def demo(args: argparse.Namespace) -> int:
     console.rule(f"[bold]Tessera demo[/] — partition {DEMO_PARTITION}, state in {root}")
     job = defs.resolve_job_def("train_and_promote")
     instance = load_instance()  # a damaged dagster.yaml is named, not a YAML traceback
-    for run_id in fail_abandoned_runs(instance):
-        _say_abandoned(run_id)
-    for run_id in free_slots_of_ended_runs(instance):
-        _say_released(run_id)
+    _say_freed(*free_training_pool(instance))
     # also while waiting for the training slot, should its holder be killed meanwhile
     with console.status("materializing raw_examples → … → promoted_model (Dagster logs below)"), \
             AbandonedRunWatch(instance, _say_abandoned, _say_released):
@@ -166,14 +163,17 @@ def free_slots(args: argparse.Namespace) -> int:
         raise ConfigError(f"state folder {root} has no Dagster instance (no {root / 'dagster'}); pass --home")
     prepare_home(str(root))
     instance = load_instance()
-    freed = fail_abandoned_runs(instance)
-    for run_id in freed:
-        _say_abandoned(run_id)
-    released = free_slots_of_ended_runs(instance)
-    for run_id in released:
-        _say_released(run_id)
+    freed, released = free_training_pool(instance)
+    _say_freed(freed, released)
     console.print(f"{len(freed)} abandoned run(s) in {root}; {len(released)} ended run(s) still holding a slot")
     return 0
+
+
+def _say_freed(failed: list[str], released: list[str]) -> None:
+    for run_id in failed:
+        _say_abandoned(run_id)
+    for run_id in released:
+        _say_released(run_id)
 
 
 def _say_abandoned(run_id: str) -> None:

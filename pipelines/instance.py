@@ -131,12 +131,19 @@ def free_slots_of_ended_runs(instance) -> list[str]:
     return [run.run_id for run in ended]
 
 
+def free_training_pool(instance) -> tuple[list[str], list[str]]:
+    """Both ways a training pool slot outlives its run, swept in this order: runs whose launcher process is
+    gone are marked failed (which frees their slots), then the slots that ended runs still hold are freed.
+    Returns (runs marked failed, ended runs whose slots were freed); every launcher and the sensor call this."""
+    return fail_abandoned_runs(instance), free_slots_of_ended_runs(instance)
+
+
 class AbandonedRunWatch:
     """While a launcher's own run executes (and may wait for the training pool's slot), frees every
     few seconds the slots of runs whose process was killed meanwhile. Without it, a `tessera demo`
     waiting behind a demo that was killed waited for ever: the slot was freed only by the next
     launch. ``on_freed(run_id)`` is called for each run it marks failed, ``on_released(run_id)`` for each
-    run that had ended still holding the slot (:func:`free_slots_of_ended_runs`)."""
+    run that had ended still holding the slot (:func:`free_training_pool`)."""
 
     def __init__(self, instance, on_freed, on_released, interval_s: float = 5.0) -> None:
         self._instance, self._on_freed, self._on_released = instance, on_freed, on_released
@@ -155,9 +162,10 @@ class AbandonedRunWatch:
     def _watch(self) -> None:
         while not self._stop.wait(self._interval_s):
             try:
-                for run_id in fail_abandoned_runs(self._instance):
+                failed, released = free_training_pool(self._instance)
+                for run_id in failed:
                     self._on_freed(run_id)
-                for run_id in free_slots_of_ended_runs(self._instance):
+                for run_id in released:
                     self._on_released(run_id)
             except Exception as error:  # noqa: BLE001 - a storage hiccup must not end the launcher's run
                 log.warning("checking for abandoned runs failed (%s: %s); trying again", type(error).__name__, error)

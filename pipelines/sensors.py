@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from pipelines.instance import fail_abandoned_runs, free_slots_of_ended_runs
+from pipelines.instance import free_training_pool
 
 SWEEP_INTERVAL_S = 60
 
@@ -21,8 +21,9 @@ def free_abandoned_runs(context: dg.SensorEvaluationContext):
     # The runs the code server failed keep their slot too (it frees none), and so would every run that ended
     # in an instance made before its dagster.yaml had the daemon free them.
     done = []
-    if failed := fail_abandoned_runs(context.instance):
+    failed, released = free_training_pool(context.instance)
+    if failed:
         done.append(f"marked failed, their process being gone: {', '.join(failed)}")
-    if released := free_slots_of_ended_runs(context.instance):
+    if released:
         done.append(f"freed the pool slots that ended runs still held: {', '.join(released)}")
     return dg.SkipReason("; ".join(done) or "no run abandoned by a killed process, no slot held by an ended run")

@@ -111,3 +111,25 @@ def test_the_sensor_frees_the_slot_and_queue_places_that_ended_runs_still_hold()
         with dg.build_sensor_context(instance=instance, repository_def=defs.get_repository_def()) as context:
             assert SENSOR.evaluate_tick(context).skip_message == (
                 "no run abandoned by a killed process, no slot held by an ended run")
+
+
+def test_one_sweep_fails_runs_whose_process_is_gone_and_frees_what_ended_runs_hold():
+    """What every launcher (`tessera demo`, its watch while it waits, `tessera free-slots`) and the sensor run:
+    a run marked failed for its gone process is reported once, as failed, not again as an ended run."""
+    from pipelines.instance import free_training_pool
+
+    with dg.instance_for_test() as instance:
+        storage = instance.event_log_storage
+        storage.set_concurrency_slots("training", 2)
+        runs = {"launcher-killed": {LAUNCHER_TAG: _identity_of_a_finished_process()}, "ended-holding": {},
+                "waiting-now": {}}
+        for run_id, tags in runs.items():
+            instance.add_run(DagsterRun(job_name="train_and_promote", run_id=run_id,
+                                        status=dg.DagsterRunStatus.STARTED, tags=tags))
+            storage.claim_concurrency_slot("training", run_id, "lora_adapter")
+        instance.report_run_failed(instance.get_run_by_id("ended-holding"), "run worker terminated by signal 9")
+
+        assert free_training_pool(instance) == (["launcher-killed"], ["ended-holding"])
+        assert instance.get_run_by_id("launcher-killed").status == dg.DagsterRunStatus.FAILURE
+        assert storage.get_concurrency_run_ids() == {"waiting-now"}
+        assert free_training_pool(instance) == ([], [])
