@@ -119,18 +119,23 @@ def test_local_runs_start_no_cluster_service_actors(train):
     # The test session's Ray is local, as the local code location's (see tests/conftest.py): no
     # placement-group cleaner, no autoscaling coordinator. Ray Train's own actors still run, in
     # Ray's pooled worker processes: no runtime env of their own.
-    import ray
-    from ray.util.state import list_actors
-
     train("lora-2w", _config())
-    # This session's cluster by address: another pytest-xdist worker may run a Ray of its own.
-    actors = list_actors(address=ray.get_runtime_context().gcs_address, limit=10_000, detail=True)
+    actors = _actors_of_this_session()
     started = {actor.class_name for actor in actors}
     assert {"PooledProcessTrainController", "RayTrainWorker"} <= started
     assert not started & {"TrainController", "PlacementGroupCleaner", "_AutoscalingCoordinatorActor"}, started
     for actor in actors:
         if actor.class_name in ("PooledProcessTrainController", "RayTrainWorker"):
             assert "env_vars" not in (actor.serialized_runtime_env or "{}"), actor
+
+
+def _actors_of_this_session() -> list:
+    """Every actor this process's Ray has run, dead ones included, from its GCS actor table (Ray's state
+    API reads the same table through the dashboard, which the test session's Ray does not start)."""
+    from ray._private.state import state
+    from ray.core.generated.gcs_pb2 import ActorTableData
+
+    return [ActorTableData.FromString(raw) for raw in state._connect_and_get_accessor().get_actor_table(None, None)]
 
 
 def _write_ray_train_settings(config: dict) -> None:
