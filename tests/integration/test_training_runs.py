@@ -195,9 +195,9 @@ def test_a_worker_killed_before_the_first_checkpoint_counts_as_a_restart(train):
     config = _config(num_workers=1, max_steps=4, checkpoint_every_steps=3, warmup_steps=0)
     faulted = train("lora-1w-killed-before-checkpoint", config, fault_step=2)
     assert faulted.restarts == 1 and [step for step, _ in faulted.loss_history] == [1, 2, 3, 4]
-    # Relaunching the finished run starts the worker group once more, but trains nothing: no restart.
+    # Relaunching the finished run trains nothing and starts no worker group: no restart added.
     again = train("lora-1w-killed-before-checkpoint-relaunched", config, run_name=faulted.run_name)
-    assert again.restarts == 1
+    assert again.restarts == 1 and again.loss_history == faulted.loss_history
 
 
 ZERO3_SHORT = dict(max_steps=2, zero_stage=3, offload_optimizer="cpu")
@@ -311,7 +311,10 @@ def test_relaunching_a_finished_run_reports_the_same_model_without_training(trai
     # ZeRO-3: every rank must take the same path at the end, or the gather for saving would hang.
     first = train("first-step-zero3", _config(**ZERO3_SHORT))
     first_weights = _weights(first)  # the relaunch rewrites the same output folder
+    checkpoints = sorted(path.name for path in (train.storage / "first-step-zero3").glob("checkpoint_*"))
     again = train("first-step-zero3-relaunched", _config(**ZERO3_SHORT), run_name="first-step-zero3")
+    # Reported from the finished checkpoint by the driver: no worker group started, none wrote a checkpoint.
+    assert sorted(path.name for path in (train.storage / "first-step-zero3").glob("checkpoint_*")) == checkpoints
     assert again.model_dir == first.model_dir and again.restarts == 0
     assert again.loss_history == first.loss_history and again.telemetry == first.telemetry
     again_weights = _weights(again)

@@ -16,6 +16,7 @@ from training_core.storage import directory_digest, replace_directory, staging_d
 from training_core.train.checkpointing import (
     ENGINE_DIR,
     MODEL_DIR,
+    TrainingProgress,
     checkpoint_a_relaunch_resumes_from,
     drop_engine_state_of_earlier_checkpoints,
     load_progress,
@@ -180,6 +181,13 @@ def run_training(
     # After: both read the list Ray will use.
     check_relaunch_settings(config, storage_path / run_name, *inputs.trained_on())
     check_relaunch_world_size(config, storage_path / run_name)
+    if (finished := finished_checkpoint(storage_path / run_name)) is not None:
+        # Its workers would load the model, set up DeepSpeed and copy the model out again: ~20 s of
+        # worker start-up per relaunch on two cores, to train nothing.
+        log.info("training run %s finished earlier (%s): its model is reported again, no worker started",
+                 run_name, finished.name)
+        final_model = publish_final_checkpoint(finished, storage_path / run_name, output_dir / run_name)
+        return _training_result(run_name, final_model, load_progress(finished), config)
     trainer = torch_trainer_class()(
         train_loop_per_worker,
         train_loop_config=inputs.as_dict(),
@@ -212,6 +220,11 @@ def run_training(
         final_model = publish_final_checkpoint(Path(directory), storage_path / run_name, output_dir / run_name)
     if progress.restarts:
         log.warning("training run %s: its worker group restarted %d time(s)", run_name, progress.restarts)
+    return _training_result(run_name, final_model, progress, config)
+
+
+def _training_result(run_name: str, final_model: Path, progress: TrainingProgress,
+                     config: TrainingConfig) -> TrainingResult:
     return TrainingResult(
         run_name=run_name,
         model_dir=str(final_model),
@@ -221,6 +234,19 @@ def run_training(
         telemetry=progress.telemetry,
         deepspeed_config=build_deepspeed_config(config, config.num_workers),
     )
+
+
+def finished_checkpoint(run_directory: Path) -> Path | None:
+    """The final checkpoint a relaunch would resume from, when the run had finished: its model is
+    published from there (checked against its manifests) without starting a worker. None when the
+    run is new or unfinished, or its checkpoint cannot be read (the workers then report it by name)."""
+    checkpoint = checkpoint_a_relaunch_resumes_from(run_directory)
+    if checkpoint is None:
+        return None
+    try:
+        return checkpoint if load_progress(checkpoint).finished else None
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
 
 
 def publish_final_checkpoint(checkpoint: Path, run_directory: Path, final_model: Path) -> Path:
