@@ -356,3 +356,36 @@ def test_a_relaunch_may_change_how_the_run_executes_and_old_checkpoints_are_acce
     _checkpoint(old, "checkpoint_000001", step=2, world_size=1)
     assert load_progress(old / "checkpoint_000001").config_digest is None
     check_relaunch_settings(TrainingConfig(learning_rate=1.0), old, "/models/other", ["/data/other"])
+
+
+def test_a_relaunched_finished_run_is_reported_from_its_final_checkpoint_without_a_worker(tmp_path, monkeypatch):
+    """No worker group starts for a run that finished (none could here: there is no model to load). A
+    model whose bytes changed fails the relaunch at once, naming the checkpoint, not in every worker on every
+    Ray retry. (A truncated one is no complete checkpoint: the run would train again from the start.)"""
+    import training_core.train.launcher as launcher
+    from training_core.train.fault_injection import FAULT_STEP_ENV
+    from training_core.train.launcher import run_training
+    from training_core.train.ray_trainer import HEALTH_CHECK_INTERVAL_ENV
+
+    def no_worker_group():
+        raise AssertionError("a Ray Train worker group was started for a finished run")
+
+    monkeypatch.setattr(launcher, "torch_trainer_class", no_worker_group)
+    monkeypatch.delenv(FAULT_STEP_ENV, raising=False)
+    monkeypatch.setenv(HEALTH_CHECK_INTERVAL_ENV, "0.5")  # run_training sets it when unset: not for later tests
+    config = TrainingConfig(max_steps=30, num_workers=2)
+    final = _checkpoint(tmp_path / "ray" / "train-run", "checkpoint_000003", step=30, world_size=2, model=True,
+                        settings=(config, "no-such-base-model", ["no-such-data"]))
+    launch = dict(model_path="no-such-base-model", train_dirs=["no-such-data"], seq_len=64, cache_dir=None,
+                  storage_path=tmp_path / "ray", run_name="train-run", output_dir=tmp_path / "trained",
+                  checked_before_launch=True)
+
+    result = run_training(config, **launch)
+    assert (result.steps, result.restarts, result.model_dir) == (30, 0, str(tmp_path / "trained" / "train-run"))
+    assert (tmp_path / "trained" / "train-run" / "adapter_model.safetensors").read_bytes() == b"weights" * 100
+    assert sorted(path.name for path in final.parent.iterdir()) == ["checkpoint_000003"]
+
+    (final / MODEL_DIR / "adapter_model.safetensors").write_bytes(b"WEIGHTS" * 100)  # same size, other bytes
+    with pytest.raises(RuntimeError, match=rf"{re.escape(str(final))} is damaged or incomplete, its model is not "
+                                           r"published: model/adapter_model.safetensors \(changed\)"):
+        run_training(config, **launch)
