@@ -81,14 +81,9 @@ def check_relaunch_settings(config: TrainingConfig, run_directory: Path, base_mo
     would report a finished run's model as this config's, resume an unfinished one with some
     settings restored from the engine state (DeepSpeed restores the learning rate), or fail in
     DeepSpeed on a state laid out for another model (LoRA rank, target modules, method)."""
-    checkpoint = checkpoint_a_relaunch_resumes_from(run_directory)
-    if checkpoint is None:
-        return
-    try:
-        progress = load_progress(checkpoint)
-    except (OSError, ValueError, TypeError, KeyError):
-        return  # the workers report an unreadable checkpoint by name
-    refuse_changed_settings(run_directory, checkpoint.name, progress, config, base_model, training_data)
+    if (resumed := _relaunch_point(run_directory)) is not None:
+        checkpoint, progress = resumed
+        refuse_changed_settings(run_directory, checkpoint.name, progress, config, base_model, training_data)
 
 
 def check_relaunch_world_size(config: TrainingConfig, run_directory: Path) -> None:
@@ -96,13 +91,9 @@ def check_relaunch_world_size(config: TrainingConfig, run_directory: Path) -> No
     DeepSpeed partitions the optimizer state across the ranks that saved it and refuses it at
     any other world size, in every worker, on every retry. A finished run (its final checkpoint
     holds no engine state) and ZeRO-0 engine state (not partitioned) resume at any world size."""
-    checkpoint = checkpoint_a_relaunch_resumes_from(run_directory)
-    if checkpoint is None or config.zero_stage == 0:
+    if config.zero_stage == 0 or (resumed := _relaunch_point(run_directory)) is None:
         return
-    try:
-        progress = load_progress(checkpoint)
-    except (OSError, ValueError, TypeError, KeyError):
-        return  # the workers report an unreadable checkpoint by name
+    checkpoint, progress = resumed
     if progress.finished or progress.world_size == config.num_workers or not (checkpoint / ENGINE_DIR).is_dir():
         return
     raise ConfigError(
@@ -240,11 +231,18 @@ def finished_checkpoint(run_directory: Path) -> Path | None:
     """The final checkpoint a relaunch would resume from, when the run had finished: its model is
     published from there (checked against its manifests) without starting a worker. None when the
     run is new or unfinished, or its checkpoint cannot be read (the workers then report it by name)."""
+    resumed = _relaunch_point(run_directory)
+    return resumed[0] if resumed is not None and resumed[1].finished else None
+
+
+def _relaunch_point(run_directory: Path) -> tuple[Path, TrainingProgress] | None:
+    """The checkpoint a relaunch resumes from and its progress; None for a fresh start, or when its
+    progress cannot be read (the workers report an unreadable checkpoint by name)."""
     checkpoint = checkpoint_a_relaunch_resumes_from(run_directory)
     if checkpoint is None:
         return None
     try:
-        return checkpoint if load_progress(checkpoint).finished else None
+        return checkpoint, load_progress(checkpoint)
     except (OSError, ValueError, TypeError, KeyError):
         return None
 
