@@ -171,17 +171,17 @@ def test_pooled_worker_processes_get_the_drivers_ray_train_settings(ray_session,
     assert seen["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
 
 
-def test_same_seed_gives_identical_loss_curve_and_adapter(train):
-    _assert_identical(train("lora-2w", _config()), train("lora-2w-again", _config()))
-
-
 def test_other_seed_gives_other_adapter(train):
-    other = train("lora-2w-seed1", _config(seed=1))
-    assert other.loss_history != train("lora-2w", _config()).loss_history
+    # One worker: the seed's effect needs no second rank, and the 1-worker run below is reused.
+    other = train("lora-1w-seed1", _config(num_workers=1, seed=1))
+    assert other.loss_history != train("lora-1w", _config(num_workers=1)).loss_history
 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_killed_worker_resumes_bit_identically(train, workers):
+    # Also the same-seed test: the faulted run is a second run of the same config, and its steps up to
+    # the step-10 checkpoint were computed afresh in it, the later ones after a resume, so the two runs'
+    # equal loss curves and adapters show that the same config and seed give the same run.
     # The 2-worker uninterrupted run is the module's main run (same config), so it is reused.
     uninterrupted = train("lora-2w" if workers == 2 else "lora-1w", _config(num_workers=workers))
     faulted = train(f"lora-{workers}w-fault", _config(num_workers=workers), fault_step=15)
