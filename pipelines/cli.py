@@ -39,7 +39,7 @@ def demo(args: argparse.Namespace) -> int:
     _say_freed(*free_training_pool(instance))
     # also while waiting for the training slot, should its holder be killed meanwhile
     with console.status("materializing raw_examples → … → promoted_model (Dagster logs below)"), \
-            AbandonedRunWatch(instance, _say_abandoned, _say_released):
+            AbandonedRunWatch(instance, _say_freed):
         result = job.execute_in_process(
             partition_key=DEMO_PARTITION, instance=instance, raise_on_error=False,
             tags=demo_run_tags(),
@@ -171,17 +171,9 @@ def free_slots(args: argparse.Namespace) -> int:
 
 def _say_freed(failed: list[str], released: list[str]) -> None:
     for run_id in failed:
-        _say_abandoned(run_id)
+        console.print(f"run {run_id} was abandoned by a killed process: marked failed, its pool slot freed")
     for run_id in released:
-        _say_released(run_id)
-
-
-def _say_abandoned(run_id: str) -> None:
-    console.print(f"run {run_id} was abandoned by a killed process: marked failed, its pool slot freed")
-
-
-def _say_released(run_id: str) -> None:
-    console.print(f"run {run_id} had ended but still held its training pool slot (or place in its queue): freed")
+        console.print(f"run {run_id} had ended but still held its training pool slot (or place in its queue): freed")
 
 
 def demo_run_tags() -> dict[str, str]:

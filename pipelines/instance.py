@@ -142,11 +142,11 @@ class AbandonedRunWatch:
     """While a launcher's own run executes (and may wait for the training pool's slot), frees every
     few seconds the slots of runs whose process was killed meanwhile. Without it, a `tessera demo`
     waiting behind a demo that was killed waited for ever: the slot was freed only by the next
-    launch. ``on_freed(run_id)`` is called for each run it marks failed, ``on_released(run_id)`` for each
-    run that had ended still holding the slot (:func:`free_training_pool`)."""
+    launch. ``on_freed(failed, released)`` gets what each sweep freed, as :func:`free_training_pool`
+    returns it, when it freed anything."""
 
-    def __init__(self, instance, on_freed, on_released, interval_s: float = 5.0) -> None:
-        self._instance, self._on_freed, self._on_released = instance, on_freed, on_released
+    def __init__(self, instance, on_freed, interval_s: float = 5.0) -> None:
+        self._instance, self._on_freed = instance, on_freed
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="tessera-abandoned-run-watch", daemon=True)
@@ -163,10 +163,8 @@ class AbandonedRunWatch:
         while not self._stop.wait(self._interval_s):
             try:
                 failed, released = free_training_pool(self._instance)
-                for run_id in failed:
-                    self._on_freed(run_id)
-                for run_id in released:
-                    self._on_released(run_id)
+                if failed or released:
+                    self._on_freed(failed, released)
             except Exception as error:  # noqa: BLE001 - a storage hiccup must not end the launcher's run
                 log.warning("checking for abandoned runs failed (%s: %s); trying again", type(error).__name__, error)
 

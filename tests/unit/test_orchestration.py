@@ -263,16 +263,16 @@ def test_a_launcher_frees_the_slot_of_a_run_killed_while_it_waits():
     instance = dg.DagsterInstance.ephemeral()
     freed, seen = threading.Event(), []
 
-    def on_freed(run_id):
-        seen.append(run_id)
+    def on_freed(failed, released):
+        seen.append((failed, released))
         freed.set()
 
-    with AbandonedRunWatch(instance, on_freed, on_released=seen.append, interval_s=0.05):
+    with AbandonedRunWatch(instance, on_freed, interval_s=0.05):
         # the slot holder dies after the launcher started waiting
         instance.add_run(DagsterRun(job_name="train_and_promote", run_id="run-killed",
                                     status=dg.DagsterRunStatus.STARTED, tags={LAUNCHER_TAG: _dead_process()}))
         assert freed.wait(timeout=30)
-    assert seen == ["run-killed"]
+    assert seen == [(["run-killed"], [])]  # one call for the sweep that freed it, none for empty sweeps
     assert instance.get_run_by_id("run-killed").status == dg.DagsterRunStatus.FAILURE
 
 
