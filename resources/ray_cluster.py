@@ -170,6 +170,7 @@ class ExternalRayCluster(_SharesRunningRay, RayResource):
 
         if not ray.is_initialized():
             wait_until_reachable(self.address, self.connect_timeout_s)
+            refuse_if_the_token_is_refused(self.address)
         try:
             return super().connect(context)
         except (ConnectionError, RuntimeError) as error:
@@ -267,6 +268,30 @@ def refused_for_its_token(error: BaseException) -> bool:
             return True
         cause = cause.__cause__ or cause.__context__
     return False
+
+
+def refuse_if_the_token_is_refused(address: str) -> None:
+    """Raise `RayClusterUnreachable` naming the token when the cluster's GCS refuses this process's
+    (missing or wrong) token. ``ray.init`` retries that refusal once a second for ~20 s before its
+    ConnectionError; one GCS client, as ``ray.init`` builds, answers in about a second. Anything else
+    the client meets is left to ``ray.init``, which reports it as before (a Ray Client address, or
+    'auto' with no local cluster to resolve, is not checked here)."""
+    try:  # private to Ray: a Ray without them leaves the refusal to ray.init, as before
+        from ray._private.services import canonicalize_bootstrap_address
+        from ray._raylet import GcsClient
+        from ray.exceptions import AuthenticationError
+    except ImportError:
+        return
+    if address.startswith("ray://"):
+        return
+    try:
+        gcs_address = canonicalize_bootstrap_address(address, None)  # 'auto': this machine's `ray start` cluster
+        if gcs_address:
+            GcsClient(address=gcs_address)
+    except AuthenticationError as error:
+        raise RayClusterUnreachable(_token_refusal(address)) from error
+    except Exception:  # noqa: BLE001 - not a token refusal: ray.init connects, or says why it cannot
+        return
 
 
 def _token_refusal(address: str) -> str:

@@ -93,7 +93,8 @@ def _wait(predicate, what: str, process: subprocess.Popen | None = None) -> None
     raise AssertionError(f"timed out waiting for {what}")
 
 
-# Connects without the cluster's token; exits with RayClusterUnreachable's message, or a traceback.
+# Connects without the cluster's token; exits with RayClusterUnreachable's message (after printing the
+# error it was raised from), or a traceback.
 CONNECT_WITHOUT_TOKEN = """
 import sys
 import dagster as dg
@@ -101,6 +102,7 @@ from resources.ray_cluster import ExternalRayCluster, RayClusterUnreachable, con
 try:
     connect_to_cluster(ExternalRayCluster(address=sys.argv[1]), dg.build_init_resource_context())
 except RayClusterUnreachable as error:
+    print("raised from", type(error.__cause__).__name__)
     sys.exit(str(error))
 """
 
@@ -118,6 +120,8 @@ def test_a_driver_without_the_clusters_token_is_told_to_set_it(two_node_cluster)
     assert last_line.startswith(f"Ray cluster at {two_node_cluster} "), result.stderr[-3000:]
     assert "uses token authentication" in last_line
     assert "Set RAY_AUTH_MODE=token" in last_line and "RAY_AUTH_TOKEN" in last_line
+    # Told by the GCS's first answer, not after ray.init's ~20 s of retries (its ConnectionError).
+    assert "raised from AuthenticationError" in result.stdout, result.stdout[-2000:]
 
 
 def test_demo_on_external_cluster_survives_a_killed_dagster_run(two_node_cluster, tmp_path):
