@@ -57,7 +57,7 @@ def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None
                       f"of the MLflow server that tracked it")
         return 2
     try:
-        tracking = tracker.client()
+        tracking = tracker.client(create_missing=False)  # the run's own experiment is logged to, below
     except TesseraError:
         raise  # already one line naming the setting or folder at fault
     except Exception as error:  # noqa: BLE001 - SQLAlchemy/driver errors of a damaged or locked store

@@ -20,7 +20,8 @@ class MlflowTracker(dg.ConfigurableResource):
     experiment: str = Field("tessera", description="MLflow experiment name")
     ui_url: str = Field("http://127.0.0.1:5000", description="MLflow UI base URL, for links in Dagster")
 
-    def client(self) -> MlflowTracking:
+    def client(self, create_missing: bool = True) -> MlflowTracking:
+        """``create_missing=False``: see :class:`MlflowTracking` (the experiment is then not created)."""
         if not self.experiment.strip():  # MLflow's own refusal names no setting
             raise ConfigError(f"mlflow_tracker.experiment {self.experiment!r}: expected the name of the MLflow "
                               "experiment runs are logged to (default 'tessera')")
@@ -30,7 +31,7 @@ class MlflowTracker(dg.ConfigurableResource):
         # Creates the state root too (SQLite needs its folder): a file in the way is a ConfigError,
         # as for every other resource, not a raw FileExistsError.
         artifacts = self.storage.folder("mlartifacts")
-        return MlflowTracking(uri, artifacts, self.experiment)
+        return MlflowTracking(uri, artifacts, self.experiment, create_missing=create_missing)
 
 
 def _refused(uri: str, problem: str):

@@ -129,13 +129,20 @@ def _why_abandoned(run, run_has_ended: Callable[[str], str | None] | None) -> st
 
 
 class MlflowTracking:
-    def __init__(self, tracking_uri: str, artifact_root: Path, experiment: str = "tessera"):
+    def __init__(self, tracking_uri: str, artifact_root: Path, experiment: str = "tessera",
+                 create_missing: bool = True):
+        """``create_missing=False``: a missing experiment is not created and ``experiment_id`` is None,
+        for a caller that only reads runs until it knows which experiment it logs to (`tessera
+        reproduce` logs beside the run it reproduces, and must not leave an empty experiment behind)."""
         from mlflow.tracking import MlflowClient
 
         self.tracking_uri = tracking_uri
         bound_mlflow_http_requests(tracking_uri)
         self.client = MlflowClient(tracking_uri)
         existing = self.client.get_experiment_by_name(experiment)
+        self.experiment_id: str | None = None
+        if existing is None and not create_missing:
+            return
         if existing is None:
             artifact_root.mkdir(parents=True, exist_ok=True)
             self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_root.resolve().as_uri())

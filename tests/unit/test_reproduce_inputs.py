@@ -176,7 +176,7 @@ class _FixedTracker:
     def __init__(self, tracking: MlflowTracking) -> None:
         self._tracking = tracking
 
-    def client(self) -> MlflowTracking:
+    def client(self, create_missing: bool = True) -> MlflowTracking:
         return self._tracking
 
 
@@ -389,6 +389,25 @@ def test_reproduce_reads_the_run_from_the_tracking_uri_option(tmp_path, monkeypa
     assert f"cannot reproduce: run {run_id}: dataset {tmp_path / 'd'} is gone" in capsys.readouterr().out
     assert main(["reproduce", run_id, "--home", str(home)]) == 2  # without it: the state folder's store
     assert f"no MLflow store at {home / 'mlflow.db'}" in capsys.readouterr().out
+
+
+def test_reproduce_leaves_no_experiment_of_its_own_in_the_store(tmp_path, monkeypatch, capsys):
+    # A team's server whose runs are logged to their own experiment: reading a run there, or an id it does
+    # not hold, must not add an empty experiment named by this deployment's default ("tessera").
+    from pipelines.cli import main
+
+    home = tmp_path / "home"
+    home.mkdir()
+    uri = f"sqlite:///{home / 'server.db'}"
+    server = MlflowTracking(uri, home / "mlartifacts", experiment="team-llm")
+    run_id = _record_run(server, tmp_path, [_published_dataset(tmp_path / "d")])
+    shutil.rmtree(tmp_path / "d")  # refused after the run is read: no training starts
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(["reproduce", run_id, "--home", str(home), "--tracking-uri", uri]) == 2
+    assert f"dataset {tmp_path / 'd'} is gone" in capsys.readouterr().out
+    assert main(["reproduce", "0" * 32, "--home", str(home), "--tracking-uri", uri]) == 2
+    assert "0" * 32 in capsys.readouterr().out
+    assert server.client.get_experiment_by_name("tessera") is None
 
 
 def test_reproduce_reads_the_cache_under_the_cache_resources_quota_and_policy(tracking, tmp_path, monkeypatch):
