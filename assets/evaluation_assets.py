@@ -24,7 +24,7 @@ from training_core.evaluate.compare import (
 )
 from training_core.evaluate.settings import EvalSettings
 from training_core.storage import staging_directory
-from training_core.tracking import ModelRegistry
+from training_core.registry import ModelRegistry
 
 REGISTERED_MODEL = "tessera-adapter"
 CHAMPION_ALIAS = "champion"

@@ -16,7 +16,8 @@ from training_core.data.demo_task import generate_records, tokenizer_corpus
 from training_core.errors import LineageError
 from training_core.evaluate.compare import EvaluationReport
 from training_core.evaluate.results import EvalMetrics
-from training_core.tracking import MlflowTracking, ModelRegistry
+from training_core.registry import ModelRegistry
+from training_core.tracking import MlflowTracking
 
 
 @pytest.fixture(scope="module")

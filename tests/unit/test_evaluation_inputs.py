@@ -195,7 +195,7 @@ def test_a_champion_whose_mlflow_run_was_garbage_collected_is_not_compared_and_e
     from assets.training_assets import TrainedModel
     from resources import MlflowTracker, TesseraStorage
     from tests.unit.conftest import garbage_collect_run
-    from training_core.tracking import ModelRegistry
+    from training_core.registry import ModelRegistry
 
     storage = TesseraStorage(home=str(tmp_path / "home"))
     mlflow_tracker = MlflowTracker(storage=storage)

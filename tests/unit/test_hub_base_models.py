@@ -123,7 +123,7 @@ def test_an_adapter_over_a_hub_snapshot_names_the_repo_and_commit_not_this_machi
 
 
 def test_a_champions_hub_base_model_is_fetched_again_when_its_recorded_snapshot_is_not_here(hub_cache, tmp_path):
-    from training_core.tracking import ModelRegistry
+    from training_core.registry import ModelRegistry
 
     trained_on = "/elsewhere/hf/hub/models--org--tiny/snapshots/" + OLD  # another machine's or HF_HOME's cache
     from tests.unit.test_mlflow_tracking import log_adapter_files

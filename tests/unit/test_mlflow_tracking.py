@@ -92,7 +92,7 @@ def log_adapter_files(tracking: MlflowTracking, run_id: str, folder: Path) -> No
 
 
 def test_a_promotion_killed_before_the_alias_moved_is_finished_without_a_second_version(tmp_path: Path):
-    from training_core.tracking import ModelRegistry
+    from training_core.registry import ModelRegistry
 
     tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
     registry = ModelRegistry(tracking, "adapter", "champion")
@@ -133,7 +133,7 @@ def test_a_champion_whose_artifacts_are_gone_is_named_by_version_and_run(tmp_pat
     import pytest
 
     from training_core.errors import LineageError
-    from training_core.tracking import ModelRegistry
+    from training_core.registry import ModelRegistry
 
     tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
     registry = ModelRegistry(tracking, "adapter", "champion")
@@ -157,7 +157,7 @@ def test_a_champion_whose_run_is_gone_or_recorded_no_base_model_is_named_by_vers
 
     from tests.unit.conftest import garbage_collect_run
     from training_core.errors import LineageError
-    from training_core.tracking import ModelRegistry
+    from training_core.registry import ModelRegistry
 
     tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
     registry = ModelRegistry(tracking, "adapter", "champion")
@@ -190,7 +190,7 @@ def test_a_tracking_server_that_does_not_answer_is_not_taken_for_a_champion_whos
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from training_core.tracking import ModelRegistry
+    from training_core.registry import ModelRegistry
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     with socket.socket() as probe:  # a port nothing listens on
@@ -204,7 +204,7 @@ def test_a_tracking_server_that_does_not_answer_is_not_taken_for_a_champion_whos
 
 
 def test_registered_versions_say_whether_they_hold_an_adapter_or_a_full_model(tmp_path: Path):
-    from training_core.tracking import ModelRegistry
+    from training_core.registry import ModelRegistry
 
     tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
     registry = ModelRegistry(tracking, "models", "champion")
@@ -229,7 +229,7 @@ def test_registered_versions_say_whether_they_hold_an_adapter_or_a_full_model(tm
 
 
 def test_a_version_trained_on_a_hub_model_names_its_repo_and_commit_not_this_machines_cache(tmp_path: Path):
-    from training_core.tracking import ModelRegistry
+    from training_core.registry import ModelRegistry
 
     tracking = MlflowTracking(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "artifacts")
     commit = "a" * 40

@@ -17,7 +17,8 @@ from assets.evaluation_assets import (
 from resources import MlflowTracker, TesseraStorage
 from training_core.evaluate.compare import CHAMPION_UNRECORDED, EvaluationReport
 from training_core.evaluate.results import EvalMetrics
-from training_core.tracking import MlflowTracking, ModelRegistry
+from training_core.registry import ModelRegistry
+from training_core.tracking import MlflowTracking
 
 
 def _trained_run(tracking: MlflowTracking, folder, name: str, params: dict[str, str] | None = None) -> str:
