@@ -26,4 +26,9 @@ class LineageError(TesseraError):
 
 
 class TrainingDivergedError(TesseraError):
-    """The training loss or the trained weights became inf or NaN."""
+    """The training loss or the trained weights became inf or NaN. ``loss_history``: the run's finite
+    losses ``(step, loss)`` up to the step it names, which the run's MLflow record shows as its curve."""
+
+    def __init__(self, message: str, loss_history: list[tuple[int, float]] | None = None):
+        super().__init__(message)  # args stay (message,): pickled as cls(message) plus this attribute
+        self.loss_history = [(int(step), float(loss)) for step, loss in loss_history or []]

@@ -287,14 +287,19 @@ class MlflowTracking:
 
     def end_failed_run(self, run_id: str, error: BaseException) -> bool:
         """End the run FAILED, saying why in its `tessera.failure` tag: ``Type: message``, with the
-        credentials of any URI in it redacted, cut to MLflow's longest tag value. Best effort (see
+        credentials of any URI in it redacted, cut to MLflow's longest tag value. A diverged run's
+        finite losses up to the failure (``TrainingDivergedError.loss_history``) become its
+        ``train_loss`` curve: the curve is where one looks for why it diverged. Best effort (see
         :meth:`_end_as_best_it_can`); returns whether the run ended."""
         from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
 
         reason = redact_uri(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
         if len(reason) > MAX_TAG_VAL_LENGTH:
             reason = reason[: MAX_TAG_VAL_LENGTH - 1] + "…"
-        return self._end_as_best_it_can(run_id, "FAILED", (FAILURE_TAG, reason), server_did_not_answer(error))
+        curve = getattr(error, "loss_history", None)
+        losses = ([("record its losses up to the failure", lambda: self.log_batch(run_id, series={"train_loss": curve}))]
+                  if curve else [])
+        return self._end_as_best_it_can(run_id, "FAILED", (FAILURE_TAG, reason), server_did_not_answer(error), losses)
 
     def end_interrupted_run(self, run_id: str, stopped_by: str) -> bool:
         """End the run KILLED, MLflow's status for a run stopped from outside, with `tessera.ended_by`
@@ -302,11 +307,12 @@ class MlflowTracking:
         return self._end_as_best_it_can(run_id, "KILLED", (ENDED_BY_TAG, f"an interruption: {stopped_by}"), None)
 
     def _end_as_best_it_can(self, run_id: str, status: str, tag: tuple[str, str],
-                            no_answer: BaseException | None) -> bool:
-        """Tag why the run ends, then end it. The run's own error is the one to raise, so a failure here
-        is a warning. Once the server gave no answer (to the call the run failed in, or to one of these),
-        the rest is skipped: each call would wait out MLflow's whole HTTP budget again."""
-        calls = [("record why it ended", lambda: self.client.set_tag(run_id, *tag)),
+                            no_answer: BaseException | None, records: list | None = None) -> bool:
+        """Tag why the run ends (after ``records``: (what, call) pairs of what else to log), then end it.
+        The run's own error is the one to raise, so a failure here is a warning. Once the server gave
+        no answer (to the call the run failed in, or to one of these), the rest is skipped: each call
+        would wait out MLflow's whole HTTP budget again."""
+        calls = [*(records or []), ("record why it ended", lambda: self.client.set_tag(run_id, *tag)),
                  (f"end it {status}", lambda: self.end_run(run_id, status=status))]
         ended = False
         for what, call in calls:

@@ -90,4 +90,6 @@ def test_a_loss_that_became_nan_fails_the_run_once_naming_its_first_step(ray_ses
     assert [p.step for p in progress] == [3]
     assert [step for step, _ in progress[0].loss_history] == [1, 2, 3]
     assert all(math.isfinite(loss) for _, loss in progress[0].loss_history)
+    # The driver's error carries that finite curve, for the run's MLflow record (steps 4-6 were one report).
+    assert failure.value.loss_history == progress[0].loss_history
     assert not list((tmp_path / "models").rglob("*.safetensors"))

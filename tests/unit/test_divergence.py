@@ -44,3 +44,18 @@ def test_a_step_whose_update_deepspeed_skipped_is_refused_naming_it_and_what_to_
 def test_a_non_finite_loss_is_named_before_the_update_it_made_deepspeed_skip():
     with pytest.raises(TrainingDivergedError, match=r"the training loss was nan at step 6 "):
         refuse_diverged_training(5, [1.0, math.nan], 12.5, 6, TrainingConfig(), skipped_steps=[6])
+
+
+EARLIER = [(1, 2.0), (2, 1.9)]
+
+
+@pytest.mark.parametrize("losses, weights_norm, skipped, curve", [
+    ([1.8, math.nan, 1.7], 12.5, [], [(3, 1.8)]),  # up to the step before the non-finite loss
+    ([1.8, 1.7, 1.6], 12.5, [4, 5], [(3, 1.8), (4, 1.7)]),  # a skipped step's own loss was finite
+    ([1.8, 1.7, 1.6], math.inf, [], [(3, 1.8), (4, 1.7), (5, 1.6)]),  # every loss finite
+], ids=["nan-loss", "skipped-update", "weights"])
+def test_the_error_carries_the_finite_curve_up_to_the_step_it_names(losses, weights_norm, skipped, curve):
+    with pytest.raises(TrainingDivergedError) as refused:
+        refuse_diverged_training(3, losses, weights_norm, 5, TrainingConfig(), skipped_steps=skipped,
+                                 earlier_losses=EARLIER)
+    assert refused.value.loss_history == EARLIER + curve

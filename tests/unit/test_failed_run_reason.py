@@ -58,6 +58,18 @@ def test_a_failed_run_records_why_with_credentials_redacted(monkeypatch, demo_mo
     assert tracking.client.search_runs([tracking.experiment_id], f"tags.`{FAILURE_TAG}` LIKE 'TrainingDiverged%'")
 
 
+def test_a_diverged_run_shows_its_losses_up_to_the_failure(monkeypatch, demo_model, demo_dataset, tmp_path):
+    # Where one looks for why a run diverged: its curve, as far as it was finite.
+    curve = [(1, 3.4), (2, 3.1), (3, 2.9)]
+    _fail_in_training(monkeypatch, TrainingDivergedError("training diverged: nan at step 4", loss_history=curve))
+    tracking = _tracking(tmp_path)
+    with pytest.raises(TrainingDivergedError):
+        _train(tracking, demo_model, demo_dataset, tmp_path)
+    run = _only_run(tracking)
+    assert run.info.status == "FAILED"
+    assert tracking.loss_history(run.info.run_id) == curve
+
+
 def test_a_long_reason_is_cut_to_the_tag_limit(monkeypatch, demo_model, demo_dataset, tmp_path):
     _fail_in_training(monkeypatch, RuntimeError("x" * (2 * MAX_TAG_VAL_LENGTH)))
     tracking = _tracking(tmp_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from training_core.data.reader import ReaderStateError
-from training_core.errors import SourceDataError
+from training_core.errors import SourceDataError, TrainingDivergedError
 from training_core.train.repeatable_failures import (
     EarlierAttemptFailed,
     clear_repeatable_failure,
@@ -39,3 +39,10 @@ def test_a_torn_record_or_no_storage_folder_stops_nothing(tmp_path):
     assert recorded_repeatable_failure(tmp_path) is None
     record_repeatable_failure(None, 0, SourceDataError("no run folder: nothing to record in"))
     stop_if_an_earlier_attempt_failed(None)
+
+
+def test_a_diverged_runs_curve_comes_back_with_its_error(tmp_path):
+    record_repeatable_failure(tmp_path, 0, TrainingDivergedError("training diverged: nan at step 4",
+                                                                 loss_history=[(1, 3.4), (2, 3.1), (3, 2.9)]))
+    rebuilt = recorded_repeatable_failure(tmp_path)
+    assert type(rebuilt) is TrainingDivergedError and rebuilt.loss_history == [(1, 3.4), (2, 3.1), (3, 2.9)]

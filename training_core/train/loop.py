@@ -306,7 +306,8 @@ def _append_mean_losses(progress: TrainingProgress, losses: list[torch.Tensor], 
     step_losses, skip_counts, weights_norm = values[:len(losses)], values[len(losses):-1], values[-1]
     first_step = progress.step - len(losses) + 1
     skipped_steps = [first_step + offset for offset, count in enumerate(skip_counts) if count > 0]
-    refuse_diverged_training(first_step, step_losses, weights_norm, progress.step, config, skipped_steps)
+    refuse_diverged_training(first_step, step_losses, weights_norm, progress.step, config, skipped_steps,
+                             earlier_losses=progress.loss_history)
     progress.loss_history.extend((first_step + offset, value) for offset, value in enumerate(step_losses))
     losses.clear()
     skipped_updates.clear()

@@ -49,7 +49,10 @@ def record_repeatable_failure(run_directory: str | Path | None, rank: int, error
         return
     path = _record_path(run_directory)
     path.parent.mkdir(parents=True, exist_ok=True)
-    content = json.dumps({"type": type(error).__name__, "message": str(error), "rank": rank})
+    record = {"type": type(error).__name__, "message": str(error), "rank": rank}
+    if getattr(error, "loss_history", None):  # a diverged run's curve up to the failure, for its MLflow run
+        record["loss_history"] = error.loss_history
+    content = json.dumps(record)
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
     temporary.write_text(content)
     try:
@@ -89,5 +92,11 @@ def recorded_repeatable_failure(run_directory: str | Path) -> Exception | None:
     if (record := _read_record(run_directory)) is None:
         return None
     kind = _BY_NAME.get(str(record.get("type")), TesseraError)
-    return kind(f"{record['message']} (on training rank {record.get('rank')}; Ray Train's retries stopped "
-                "before loading the model, since every attempt would fail the same way)")
+    error = kind(f"{record['message']} (on training rank {record.get('rank')}; Ray Train's retries stopped "
+                 "before loading the model, since every attempt would fail the same way)")
+    if isinstance(error, TrainingDivergedError):
+        try:
+            error.loss_history = [(int(step), float(loss)) for step, loss in record.get("loss_history") or []]
+        except (TypeError, ValueError):
+            pass  # a record this version did not write: the error without its curve
+    return error
