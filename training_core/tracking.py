@@ -297,8 +297,10 @@ class MlflowTracking:
         if len(reason) > MAX_TAG_VAL_LENGTH:
             reason = reason[: MAX_TAG_VAL_LENGTH - 1] + "…"
         curve = getattr(error, "loss_history", None)
-        losses = ([("record its losses up to the failure", lambda: self.log_batch(run_id, series={"train_loss": curve}))]
-                  if curve else [])
+        def log_curve() -> None:
+            self.log_batch(run_id, series={"train_loss": curve})
+
+        losses = [("record its losses up to the failure", log_curve)] if curve else []
         return self._end_as_best_it_can(run_id, "FAILED", (FAILURE_TAG, reason), server_did_not_answer(error), losses)
 
     def end_interrupted_run(self, run_id: str, stopped_by: str) -> bool:
