@@ -267,7 +267,7 @@ def _ray_list(run_directory, *checkpoints, latest):
 def test_resuming_an_unfinished_zero_run_at_another_world_size_is_refused_before_any_worker_starts(tmp_path):
     from training_core.errors import ConfigError
     from training_core.train.config import TrainingConfig
-    from training_core.train.launcher import check_relaunch_world_size
+    from training_core.train.launcher import check_relaunch_world_size, relaunch_point
 
     run = tmp_path / "ray" / "train-run"
     _checkpoint(run, "checkpoint_000001", step=3, world_size=1)
@@ -275,28 +275,31 @@ def test_resuming_an_unfinished_zero_run_at_another_world_size_is_refused_before
     with pytest.raises(ConfigError, match=rf"^run folder {re.escape(str(run))} holds an unfinished run \(checkpoint "
                        r"checkpoint_000002, step 6\) trained by 1 worker\(s\); num_workers=2 cannot resume it: ZeRO "
                        r"stage 2 .*Relaunch with num_workers=1 to finish it, or use a new run_name to start over$"):
-        check_relaunch_world_size(TrainingConfig(num_workers=2, zero_stage=2), run)
-    check_relaunch_world_size(TrainingConfig(num_workers=1, zero_stage=2), run)  # the same world resumes
-    check_relaunch_world_size(TrainingConfig(num_workers=2, zero_stage=0), run)  # ZeRO-0 state is not partitioned
-    check_relaunch_world_size(TrainingConfig(num_workers=2), tmp_path / "ray" / "new-run")  # nothing to resume
+        check_relaunch_world_size(TrainingConfig(num_workers=2, zero_stage=2), run, relaunch_point(run))
+    resumed = relaunch_point(run)
+    check_relaunch_world_size(TrainingConfig(num_workers=1, zero_stage=2), run, resumed)  # the same world resumes
+    check_relaunch_world_size(TrainingConfig(num_workers=2, zero_stage=0), run, resumed)  # ZeRO-0 is not partitioned
+    new_run = tmp_path / "ray" / "new-run"
+    assert relaunch_point(new_run) is None
+    check_relaunch_world_size(TrainingConfig(num_workers=2), new_run, relaunch_point(new_run))  # nothing to resume
 
 
 def test_a_finished_run_is_relaunched_at_any_world_size(tmp_path):
     from training_core.train.config import TrainingConfig
-    from training_core.train.launcher import check_relaunch_world_size
+    from training_core.train.launcher import check_relaunch_world_size, relaunch_point
 
     run = tmp_path / "ray" / "train-run"
     periodic, final = _finished_run(run, world_size=1)  # the periodic one still holds its engine state
     _ray_list(run, periodic, final, latest=final)
     for workers in (1, 2, 3):
-        check_relaunch_world_size(TrainingConfig(num_workers=workers, zero_stage=3), run)
+        check_relaunch_world_size(TrainingConfig(num_workers=workers, zero_stage=3), run, relaunch_point(run))
 
 
 def test_the_world_size_check_reads_the_checkpoint_ray_hands_the_workers(tmp_path):
     from training_core.errors import ConfigError
     from training_core.train.checkpointing import checkpoint_a_relaunch_resumes_from
     from training_core.train.config import TrainingConfig
-    from training_core.train.launcher import check_relaunch_world_size
+    from training_core.train.launcher import check_relaunch_world_size, relaunch_point
 
     # A worker finished the run but died before Ray registered the final checkpoint: Ray still
     # hands the workers the periodic one, and resuming it at 2 workers fails in DeepSpeed.
@@ -305,7 +308,7 @@ def test_the_world_size_check_reads_the_checkpoint_ray_hands_the_workers(tmp_pat
     _ray_list(run, periodic, latest=periodic)
     assert find_latest_checkpoint(run) == final and checkpoint_a_relaunch_resumes_from(run) == periodic
     with pytest.raises(ConfigError, match=r"checkpoint checkpoint_000002, step 20\) trained by 1 worker"):
-        check_relaunch_world_size(TrainingConfig(num_workers=2), run)
+        check_relaunch_world_size(TrainingConfig(num_workers=2), run, relaunch_point(run))
 
 
 STARTED_WITH = TrainingConfig(num_workers=1, max_steps=4, learning_rate=5e-2)
@@ -324,7 +327,7 @@ STARTED_WITH = TrainingConfig(num_workers=1, max_steps=4, learning_rate=5e-2)
 ], ids=["schedule", "lora", "method", "base_model", "data"])
 def test_a_relaunch_with_other_settings_is_refused_before_any_worker_starts(tmp_path, finished, relaunch, changes):
     from training_core.errors import ConfigError
-    from training_core.train.launcher import check_relaunch_settings
+    from training_core.train.launcher import check_relaunch_settings, relaunch_point
 
     run = tmp_path / "ray" / "train-run"
     started = (STARTED_WITH, "/models/base", ["/data/day-1/train"])
@@ -336,26 +339,28 @@ def test_a_relaunch_with_other_settings_is_refused_before_any_worker_starts(tmp_
     with pytest.raises(ConfigError, match=rf"^run folder {re.escape(str(run))} holds {state} \(checkpoint "
                        rf"checkpoint_00000{step // 2}, step {step}\) started with other settings: {changes}\. Use "
                        rf"another run_name, or remove {re.escape(str(run))} to start afresh$"):
-        check_relaunch_settings(wanted["config"], run, wanted["base_model"], wanted["train_dirs"])
+        check_relaunch_settings(wanted["config"], run, relaunch_point(run), wanted["base_model"], wanted["train_dirs"])
 
 
 def test_a_relaunch_may_change_how_the_run_executes_and_old_checkpoints_are_accepted(tmp_path):
-    from training_core.train.launcher import check_relaunch_settings
+    from training_core.train.launcher import check_relaunch_settings, relaunch_point
 
     run = tmp_path / "ray" / "train-run"
     _checkpoint(run, "checkpoint_000001", step=2, world_size=1,
                 settings=(STARTED_WITH, "/models/base", ["/data/day-1/train"]))
-    check_relaunch_settings(STARTED_WITH, run, "/models/base", ["/data/day-1/train"])
+    check_relaunch_settings(STARTED_WITH, run, relaunch_point(run), "/models/base", ["/data/day-1/train"])
     # Settings of where and how fast it runs, not of what it trains (the world size has its own check).
     elsewhere = STARTED_WITH.model_copy(update={"num_workers": 2, "loader_workers": 3, "cpus_per_worker": 2})
-    check_relaunch_settings(elsewhere, run, "/models/base", ["/data/day-1/train"])
-    check_relaunch_settings(TrainingConfig(learning_rate=1.0), tmp_path / "ray" / "new-run", "/m", ["/d"])
+    check_relaunch_settings(elsewhere, run, relaunch_point(run), "/models/base", ["/data/day-1/train"])
+    new_run = tmp_path / "ray" / "new-run"
+    check_relaunch_settings(TrainingConfig(learning_rate=1.0), new_run, relaunch_point(new_run), "/m", ["/d"])
 
     # Written before the settings were recorded: nothing to compare, so it resumes as it always did.
     old = tmp_path / "ray" / "old-run"
     _checkpoint(old, "checkpoint_000001", step=2, world_size=1)
     assert load_progress(old / "checkpoint_000001").config_digest is None
-    check_relaunch_settings(TrainingConfig(learning_rate=1.0), old, "/models/other", ["/data/other"])
+    check_relaunch_settings(TrainingConfig(learning_rate=1.0), old, relaunch_point(old), "/models/other",
+                            ["/data/other"])
 
 
 def test_a_relaunched_finished_run_is_reported_from_its_final_checkpoint_without_a_worker(tmp_path, monkeypatch):

@@ -75,23 +75,39 @@ def check_epochs_hold_an_optimizer_step(config: TrainingConfig, rows: int) -> No
         )
 
 
-def check_relaunch_settings(config: TrainingConfig, run_directory: Path, base_model: str,
-                            training_data: list[str]) -> None:
+RelaunchPoint = tuple[Path, TrainingProgress]  # the checkpoint a relaunch resumes from, and its progress
+
+
+def relaunch_point(run_directory: Path) -> RelaunchPoint | None:
+    """The checkpoint a relaunch of the run in ``run_directory`` resumes from and its progress, read
+    once per launch for the checks below; None for a fresh start, or when its progress cannot be read
+    (the workers report an unreadable checkpoint by name)."""
+    checkpoint = checkpoint_a_relaunch_resumes_from(run_directory)
+    if checkpoint is None:
+        return None
+    try:
+        return checkpoint, load_progress(checkpoint)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def check_relaunch_settings(config: TrainingConfig, run_directory: Path, resumed: RelaunchPoint | None,
+                            base_model: str, training_data: list[str]) -> None:
     """Refuse a relaunch under the run name of a run started with other settings: its workers
     would report a finished run's model as this config's, resume an unfinished one with some
     settings restored from the engine state (DeepSpeed restores the learning rate), or fail in
     DeepSpeed on a state laid out for another model (LoRA rank, target modules, method)."""
-    if (resumed := _relaunch_point(run_directory)) is not None:
+    if resumed is not None:
         checkpoint, progress = resumed
         refuse_changed_settings(run_directory, checkpoint.name, progress, config, base_model, training_data)
 
 
-def check_relaunch_world_size(config: TrainingConfig, run_directory: Path) -> None:
+def check_relaunch_world_size(config: TrainingConfig, run_directory: Path, resumed: RelaunchPoint | None) -> None:
     """Refuse a relaunch that would resume an unfinished run at another world size under ZeRO:
     DeepSpeed partitions the optimizer state across the ranks that saved it and refuses it at
     any other world size, in every worker, on every retry. A finished run (its final checkpoint
     holds no engine state) and ZeRO-0 engine state (not partitioned) resume at any world size."""
-    if config.zero_stage == 0 or (resumed := _relaunch_point(run_directory)) is None:
+    if config.zero_stage == 0 or resumed is None:
         return
     checkpoint, progress = resumed
     if progress.finished or progress.world_size == config.num_workers or not (checkpoint / ENGINE_DIR).is_dir():
@@ -170,15 +186,18 @@ def run_training(
     use_quick_health_checks()
     set_aside_unusable_ray_snapshot(storage_path / run_name, ray.__version__)
     # After: both read the list Ray will use.
-    check_relaunch_settings(config, storage_path / run_name, *inputs.trained_on())
-    check_relaunch_world_size(config, storage_path / run_name)
-    if (finished := finished_checkpoint(storage_path / run_name)) is not None:
+    resumed = relaunch_point(storage_path / run_name)
+    check_relaunch_settings(config, storage_path / run_name, resumed, *inputs.trained_on())
+    check_relaunch_world_size(config, storage_path / run_name, resumed)
+    if resumed is not None and resumed[1].finished:
         # Its workers would load the model, set up DeepSpeed and copy the model out again: ~20 s of
-        # worker start-up per relaunch on two cores, to train nothing.
+        # worker start-up per relaunch on two cores, to train nothing. Published from the finished
+        # checkpoint, checked against its manifests.
+        finished, progress = resumed
         log.info("training run %s finished earlier (%s): its model is reported again, no worker started",
                  run_name, finished.name)
         final_model = publish_final_checkpoint(finished, storage_path / run_name, output_dir / run_name)
-        return _training_result(run_name, final_model, load_progress(finished), config)
+        return _training_result(run_name, final_model, progress, config)
     trainer = torch_trainer_class()(
         train_loop_per_worker,
         train_loop_config=inputs.as_dict(),
@@ -225,26 +244,6 @@ def _training_result(run_name: str, final_model: Path, progress: TrainingProgres
         telemetry=progress.telemetry,
         deepspeed_config=build_deepspeed_config(config, config.num_workers),
     )
-
-
-def finished_checkpoint(run_directory: Path) -> Path | None:
-    """The final checkpoint a relaunch would resume from, when the run had finished: its model is
-    published from there (checked against its manifests) without starting a worker. None when the
-    run is new or unfinished, or its checkpoint cannot be read (the workers then report it by name)."""
-    resumed = _relaunch_point(run_directory)
-    return resumed[0] if resumed is not None and resumed[1].finished else None
-
-
-def _relaunch_point(run_directory: Path) -> tuple[Path, TrainingProgress] | None:
-    """The checkpoint a relaunch resumes from and its progress; None for a fresh start, or when its
-    progress cannot be read (the workers report an unreadable checkpoint by name)."""
-    checkpoint = checkpoint_a_relaunch_resumes_from(run_directory)
-    if checkpoint is None:
-        return None
-    try:
-        return checkpoint, load_progress(checkpoint)
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
 
 
 def publish_final_checkpoint(checkpoint: Path, run_directory: Path, final_model: Path) -> Path:

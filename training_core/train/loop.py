@@ -251,7 +251,7 @@ def _run_recipe(inputs: WorkerInputs, group_starts: int | None) -> None:
                               "parameters": total_params, "trainable_parameters": trainable_params}
     _append_mean_losses(progress, unreduced_losses, skipped_updates, engine.module, config)
     progress.finished = True
-    # The driver reports a finished run it finds without starting workers (launcher.finished_checkpoint);
+    # The driver reports a finished run it finds without starting workers (launcher.run_training);
     # this covers a run that finished after that check (another launcher of the same run name).
     if already_finished:  # nothing was trained here: report the finished run's model again
         write_model = functools.partial(_copy_finished_model, resumed_from, rank)
