@@ -7,8 +7,8 @@ from pathlib import Path
 import dagster as dg
 
 from assets.data_assets import refuse_days_that_failed_checks
-from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY
+from assets.step_start import start_step
 from resources import RowGroupCache, TesseraStorage
 from resources.paths import HOME_MARKER
 from training_core.data import warm_cache
@@ -30,7 +30,7 @@ def row_group_cache(context: dg.AssetExecutionContext, storage: TesseraStorage, 
                     training_dataset: PublishedDataset):
     """Every row group decoded once into the FanoutCache, so training never waits on Parquet decode.
     The cache version is (dataset digest, columns, transform version)."""
-    refuse_invalid_run_config(context)
+    start_step(context)
     # The run's state folder, not the cache's: a cache may live in a pod-local home of its own
     # (docs/scaling_out.md) while datasets are published on the shared one.
     refuse_dataset_of_another_state_folder(training_dataset, storage.root, context.partition_key)

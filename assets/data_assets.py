@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 import dagster as dg
 from pydantic import Field
 
-from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY, daily_blocking_check
+from assets.step_start import start_step
 from resources import TesseraStorage
 from training_core.base_model import BaseModelRef, check_context_length, load_tokenizer
 from training_core.data.dataset_writer import DatasetSpec, PublishedDataset, write_dataset
@@ -46,7 +46,7 @@ class RawExamplesConfig(dg.Config):
 @dg.asset(partitions_def=DAILY, group_name="data", kinds={"parquet"})
 def raw_examples(context: dg.AssetExecutionContext, config: RawExamplesConfig, storage: TesseraStorage):
     """Source records (prompt, response) for one day, frozen as JSONL under datasets/raw/."""
-    refuse_invalid_run_config(context)
+    start_step(context)
     day = context.partition_key
     origins = None
     # Messages name the file or folder read for this day, not the template.
@@ -114,7 +114,7 @@ def training_dataset(
 ):
     """Tokenized (base model's tokenizer), packed Parquet plus a held-out eval split, published
     atomically under datasets/training/<day>/<digest>. The content digest is the data version."""
-    refuse_invalid_run_config(context)
+    start_step(context)
     # Before any row is written: lora_adapter would refuse the rows only after they were cached and Ray started.
     check_context_length(base_model.name_or_path, config.seq_len)
     spec = DatasetSpec(**config.model_dump(exclude={"max_repeated_records"}))

@@ -11,8 +11,8 @@ from dagster_ray import RayResource
 from pydantic import Field, field_validator
 
 from assets.backfills import day_added_to_this_backfill
-from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition, daily_blocking_check
+from assets.step_start import start_step
 from assets.training_assets import TrainedModel
 from resources import MlflowTracker, TesseraStorage
 from resources.ray_cluster import connect_unless_connected, gpu_available_in_cluster
@@ -129,7 +129,7 @@ def evaluation(
 ):
     """Eval loss, perplexity and exact-match on the training window's held-out prompts: base vs trained vs
     champion. Blocking checks stop promotion when training did not help."""
-    refuse_invalid_run_config(context)
+    start_step(context)
     if added := day_added_to_this_backfill(context):  # its window, like lora_adapter's, pulls in the next day
         raise dg.Failure(added)  # not ending without output, as lora_adapter does: its gates are required outputs
     window = DatasetWindow.from_partitions(by_partition(training_dataset, context, "training_dataset"))
@@ -289,7 +289,7 @@ def promoted_model(context: dg.AssetExecutionContext, config: PromotionConfig, m
     """Registers the trained model and points `champion` at it. Runs only when every blocking
     check upstream passed; promoting the current champion again is a no-op. A model of a day older
     than the champion's leaves the champion alone unless config says otherwise."""
-    refuse_invalid_run_config(context)
+    start_step(context)
     # Blocking checks stop this step in the run that evaluated; a promotion launched on its own (UI,
     # backfill) gets here anyway, so it reads the gates off the evaluation it would promote.
     if evaluation.failed_gates is None:

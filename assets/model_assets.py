@@ -4,7 +4,7 @@
 import dagster as dg
 from pydantic import Field, field_validator
 
-from assets.launch_checks import refuse_invalid_run_config
+from assets.step_start import start_step
 from resources import TesseraStorage
 from training_core.base_model import TinyLlamaSpec, build_demo_model, resolve_pretrained
 from training_core.data.demo_task import tokenizer_corpus
@@ -32,7 +32,7 @@ class BaseModelConfig(dg.Config):
 @dg.asset(group_name="model", kinds={"pytorch"})
 def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, storage: TesseraStorage):
     """A model directory `from_pretrained` loads, identified by its content digest."""
-    refuse_invalid_run_config(context)
+    start_step(context)
     if config.name_or_path == "demo":
         spec = TinyLlamaSpec(hidden_size=config.demo_hidden_size, intermediate_size=2 * config.demo_hidden_size,
                              num_hidden_layers=config.demo_layers, seed=config.demo_seed)

@@ -1,9 +1,10 @@
-"""Which process runs a Dagster run, recorded as a run tag so that a later process can free the
-training pool slot of a run whose process was killed (`pipelines.instance.fail_abandoned_runs`).
+"""Which process runs a Dagster run, recorded as a run tag so that a later process can fail a run whose
+process was killed, freeing the training pool slot it held (`pipelines.instance.fail_abandoned_runs`):
+left STARTED, it held the slot, and the schedule waited behind its day for ever.
 
-`tessera demo` sets the tag when it launches. A run started otherwise (the Dagster CLI, a script)
-gets it from its training step, the one step that holds a pool slot: with the local code
-location's in-process executor the step's process is the run's. A process on another host (a
+`tessera demo` sets the tag when it launches. A run started otherwise (the UI, the schedule, the
+Dagster CLI, a script) gets it from its first step (`assets.step_start`): with the local code
+location's in-process executor every step's process is the run's. A process on another host (a
 Kubernetes step pod) is never judged from here, so the tag is harmless there; the MLflow run such a
 pod left RUNNING is judged by its Dagster run instead (`ended_dagster_run_status`)."""
 
@@ -22,7 +23,11 @@ def record_this_process(context: dg.AssetExecutionContext) -> None:
     parent's process, so it is replaced."""
     from training_core.process_identity import this_process
 
-    if LAUNCHER_TAG not in context.run.tags or inherited_launcher_tag(context.instance, context.run):
+    try:
+        run = context.run
+    except dg.DagsterError:  # invoked directly (`asset(build_asset_context(), ...)`): no run to tag
+        return
+    if LAUNCHER_TAG not in run.tags or inherited_launcher_tag(context.instance, run):
         context.instance.add_run_tags(context.run_id, {LAUNCHER_TAG: this_process()})
 
 

@@ -11,9 +11,9 @@ from pydantic import Field
 from assets.backfills import day_added_to_this_backfill
 from assets.cache_assets import WarmCache
 from assets.data_assets import refuse_days_that_failed_checks
-from assets.launch_checks import refuse_invalid_run_config
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
-from assets.run_identity import ended_dagster_run_status, record_this_process
+from assets.run_identity import ended_dagster_run_status
+from assets.step_start import start_step
 from resources import MlflowTracker, RowGroupCache, TesseraStorage
 from resources.io_manager import STORED_BEFORE_IT
 from resources.ray_cluster import check_cluster_capacity, connect_unless_connected, gpu_available_in_cluster
@@ -117,11 +117,10 @@ def lora_adapter(
     """Fine-tunes the base model on the datasets of the training window (TRAINING_WINDOW_DAYS days
     ending at this partition), reading batches through the warmed row-group cache.
     When dataset, base model, config and code are unchanged since a finished run, that run is reused."""
-    refuse_invalid_run_config(context)
+    start_step(context)
     if added := day_added_to_this_backfill(context):  # a whole-graph asset backfill adds the day after its range
         context.log.warning(added)
         return  # no output: the day's earlier model stands; evaluation and promoted_model are skipped
-    record_this_process(context)  # this run holds a training pool slot: a later process can tell if it died
     training_config = config.training_config()
     tracker = mlflow_tracker.client()
     window = DatasetWindow.from_partitions(by_partition(training_dataset, context, "training_dataset"))

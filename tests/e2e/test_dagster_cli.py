@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +16,23 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _env(home: Path) -> dict[str, str]:
+    return {**os.environ, "TESSERA_HOME": str(home), "DAGSTER_HOME": str(home / "dagster")}
+
+
 def _dagster(home: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TESSERA_HOME": str(home), "DAGSTER_HOME": str(home / "dagster")}
-    return subprocess.run([sys.executable, "-m", "dagster", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dagster", *args], cwd=REPO, env=_env(home), capture_output=True,
                           text=True, timeout=600)
 
 
-def test_dagster_asset_materialize_builds_a_days_dataset_and_names_what_training_still_needs(tmp_path):
-    prepared = subprocess.run([sys.executable, "-m", "pipelines.instance", str(tmp_path)], cwd=REPO,
+def _prepare(home: Path) -> None:
+    prepared = subprocess.run([sys.executable, "-m", "pipelines.instance", str(home)], cwd=REPO,
                               capture_output=True, text=True, timeout=120)  # as README says, once per state folder
     assert prepared.returncode == 0, prepared.stderr
+
+
+def test_dagster_asset_materialize_builds_a_days_dataset_and_names_what_training_still_needs(tmp_path):
+    _prepare(tmp_path)
     done = _dagster(tmp_path, "asset", "materialize", "-m", "pipelines.definitions", "--partition", "2026-11-02",
                     "--select", "raw_examples,base_model,training_dataset,row_group_cache")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -39,3 +47,33 @@ def test_dagster_asset_materialize_builds_a_days_dataset_and_names_what_training
     assert done.returncode != 0
     assert ("input 'row_group_cache' needs row_group_cache partition 2026-11-01, which has not been materialized "
             "here") in done.stderr
+
+
+def test_a_cli_run_killed_in_its_first_step_is_failed_by_the_next_sweep(tmp_path):
+    """Only the training step used to record the run's process: a run killed before it (a machine restarted
+    while the day's data was read or its cache warmed) stayed STARTED for ever, and the schedule waited behind
+    its day. Here the process is killed while raw_examples waits on a source that never answers."""
+    import dagster as dg
+
+    from pipelines.instance import fail_abandoned_runs
+    from tests.silent_server import silent_http_server
+
+    _prepare(tmp_path)
+    with silent_http_server() as source, open(tmp_path / "dagster.log", "w+") as log:
+        run_config = tmp_path / "run.yaml"
+        run_config.write_text(json.dumps({"ops": {"raw_examples": {"config": {"source": f"{source.url}/day.jsonl"}}}}))
+        launched = subprocess.Popen(
+            [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "pipelines.definitions", "--partition",
+             "2026-11-02", "--select", "raw_examples", "-c", str(run_config)],
+            cwd=REPO, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while not source.connected.wait(timeout=0.5):  # the step has started reading the source
+                assert launched.poll() is None, log.seek(0) or log.read()[-3000:]
+        finally:
+            os.killpg(launched.pid, signal.SIGKILL)
+            launched.wait()
+    with dg.DagsterInstance.from_config(str(tmp_path / "dagster")) as instance:
+        [killed] = instance.get_runs()
+        assert killed.status == dg.DagsterRunStatus.STARTED  # Dagster alone never learns the process is gone
+        assert fail_abandoned_runs(instance) == [killed.run_id]
+        assert instance.get_run_by_id(killed.run_id).status == dg.DagsterRunStatus.FAILURE

@@ -297,7 +297,7 @@ def test_a_reexecuted_run_is_not_judged_by_the_launcher_tag_it_copied_from_its_p
     assert fail_abandoned_runs(instance) == ["killed-retry"]
     assert instance.get_run_by_id("retry").status == dg.DagsterRunStatus.STARTED
 
-    class TrainingStepContext:  # what lora_adapter's context gives record_this_process
+    class TrainingStepContext:  # what a step's context gives record_this_process
         run, run_id = instance.get_run_by_id("retry"), "retry"
 
     TrainingStepContext.instance = instance
@@ -305,7 +305,7 @@ def test_a_reexecuted_run_is_not_judged_by_the_launcher_tag_it_copied_from_its_p
     assert instance.get_run_by_id("retry").tags[LAUNCHER_TAG] == this_process()  # replaced by the live one
 
 
-def test_a_run_started_outside_tessera_is_tagged_with_its_process_by_its_training_step():
+def test_a_run_started_outside_tessera_is_tagged_with_its_process_by_its_step():
     from assets.run_identity import LAUNCHER_TAG, record_this_process
     from training_core.process_identity import this_process
 

@@ -3,13 +3,13 @@ with a message that says it timed out (a TimeoutError prints as an empty string)
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests.silent_server import silent_http_server
 from training_core.data import source_files
 from training_core.data.source_files import redacted_cause
 from training_core.data.sources import iter_records
@@ -18,24 +18,8 @@ from training_core.errors import SourceDataError
 
 @pytest.fixture
 def silent_server():
-    """A local TCP server that accepts every connection and never sends a byte."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-
-    def accept_forever() -> None:
-        while True:
-            try:
-                held.append(listener.accept()[0])
-            except OSError:  # the listener was closed
-                return
-
-    threading.Thread(target=accept_forever, name="silent-server", daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        listener.close()
-        for connection in held:
-            connection.close()
+    with silent_http_server() as server:
+        yield server.url
 
 
 def test_a_timeout_is_named_though_its_text_is_empty():
