@@ -3,8 +3,10 @@ process was killed, freeing the training pool slot it held (`pipelines.instance.
 left STARTED, it held the slot, and the schedule waited behind its day for ever.
 
 `tessera demo` sets the tag when it launches. A run started otherwise (the UI, the schedule, the
-Dagster CLI, a script) gets it from its first step (`assets.step_start`): with the local code
-location's in-process executor every step's process is the run's. A process on another host (a
+Dagster CLI, a script) gets it from its first step (`assets.step_start`), or, where the run trains,
+earlier, when its process sets up its resources (`resources.run_process`): a step that waits for
+the training pool's slot starts only once it has it. With the local code location's in-process
+executor every step's process is the run's. A process on another host (a
 Kubernetes step pod) is never judged from here, so the tag is harmless there; the MLflow run such a
 pod left RUNNING is judged by its Dagster run instead (`ended_dagster_run_status`)."""
 
@@ -18,17 +20,23 @@ LAUNCHER_TAG = "tessera/launcher"  # `this_process()` of the launching process: 
 
 
 def record_this_process(context: dg.AssetExecutionContext) -> None:
-    """Tag the run with this process unless its launcher already did. A tag copied from the parent
-    run (a re-execution from the UI or the run-retry daemon copies the parent's tags) names the
-    parent's process, so it is replaced."""
-    from training_core.process_identity import this_process
-
+    """`record_run_process` for a step's run; nothing for an asset invoked directly."""
     try:
-        run = context.run
+        run_id = context.run.run_id
     except dg.DagsterError:  # invoked directly (`asset(build_asset_context(), ...)`): no run to tag
         return
-    if LAUNCHER_TAG not in run.tags or inherited_launcher_tag(context.instance, run):
-        context.instance.add_run_tags(context.run_id, {LAUNCHER_TAG: this_process()})
+    record_run_process(context.instance, run_id)
+
+
+def record_run_process(instance: dg.DagsterInstance, run_id: str) -> None:
+    """Tag the run with this process unless its launcher already did. A tag copied from the parent
+    run (a re-execution from the UI or the run-retry daemon copies the parent's tags) names the
+    parent's process, so it is replaced. The run is read afresh: an earlier step may have tagged it."""
+    from training_core.process_identity import this_process
+
+    run = instance.get_run_by_id(run_id)
+    if run is not None and (LAUNCHER_TAG not in run.tags or inherited_launcher_tag(instance, run)):
+        instance.add_run_tags(run_id, {LAUNCHER_TAG: this_process()})
 
 
 def inherited_launcher_tag(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool:

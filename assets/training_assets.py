@@ -14,7 +14,7 @@ from assets.data_assets import refuse_days_that_failed_checks
 from assets.partitions import DAILY, TRAINING_WINDOW, by_partition
 from assets.run_identity import ended_dagster_run_status
 from assets.step_start import start_step
-from resources import MlflowTracker, RowGroupCache, TesseraStorage
+from resources import MlflowTracker, RowGroupCache, RunProcess, TesseraStorage
 from resources.io_manager import STORED_BEFORE_IT
 from resources.ray_cluster import check_cluster_capacity, connect_unless_connected, gpu_available_in_cluster
 from training_core.base_model import BaseModelRef
@@ -110,6 +110,7 @@ def lora_adapter(
     storage: TesseraStorage,
     mlflow_tracker: MlflowTracker,
     cache: RowGroupCache,
+    run_process: RunProcess,  # tags the run before this step waits for the training pool's slot
     training_dataset,
     row_group_cache,
     base_model: BaseModelRef,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from resources import MlflowTracker, RowGroupCache, TesseraStorage
+from resources import MlflowTracker, RowGroupCache, RunProcess, TesseraStorage
 from resources.io_manager import AtomicFilesystemIOManager
 from resources.kuberay_cluster import (
     DEFAULT_MANIFEST,
@@ -64,4 +64,5 @@ def kubernetes_resources() -> dict:
         "ray_cluster": kuberay_cluster_on_the_run_image(),
         "mlflow_tracker": MlflowTracker(storage=storage, tracking_uri=dg.EnvVar("MLFLOW_TRACKING_URI")),
         "cache": RowGroupCache(storage=storage),
+        "run_process": RunProcess(),  # tags runs with their step pods' processes: never judged from another host
     }

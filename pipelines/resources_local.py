@@ -5,7 +5,7 @@ import os
 
 from dagster_ray import Lifecycle
 
-from resources import ExternalRayCluster, LocalRayCluster, MlflowTracker, RowGroupCache, TesseraStorage
+from resources import ExternalRayCluster, LocalRayCluster, MlflowTracker, RowGroupCache, RunProcess, TesseraStorage
 from resources.io_manager import AtomicFilesystemIOManager
 
 RAY_ADDRESS_ENV = "TESSERA_RAY_ADDRESS"
@@ -28,4 +28,5 @@ def local_resources(storage_set_at_launch: bool = False) -> dict:
         else LocalRayCluster(ray_init_options={"logging_level": "warning"}, lifecycle=LAZY, preemption_watcher=False),
         "mlflow_tracker": MlflowTracker(storage=storage),
         "cache": RowGroupCache(storage=storage),
+        "run_process": RunProcess(),
     }
