@@ -63,9 +63,11 @@ def _kill_when(home: Path, started: Callable[[], bool], *select: str) -> None:
             [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "pipelines.definitions", "--partition",
              "2026-11-02", *select], cwd=REPO, env=_env(home), stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
+        deadline = time.monotonic() + 300
         try:
             while not started():  # each check waits up to half a second
                 assert launched.poll() is None, log.seek(0) or log.read()[-3000:]
+                assert time.monotonic() < deadline, "never got there in 300 s: " + (log.seek(0) or log.read()[-3000:])
         finally:
             os.killpg(launched.pid, signal.SIGKILL)
             launched.wait()
