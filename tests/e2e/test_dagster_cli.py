@@ -2,6 +2,7 @@
 a CI pipeline outside the UI runs) writes the same state as the UI and `tessera demo`."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -66,10 +67,13 @@ def _kill_when(home: Path, started: Callable[[], bool], *select: str) -> None:
         deadline = time.monotonic() + 300
         try:
             while not started():  # each check waits up to half a second
-                assert launched.poll() is None, log.seek(0) or log.read()[-3000:]
-                assert time.monotonic() < deadline, "never got there in 300 s: " + (log.seek(0) or log.read()[-3000:])
+                if launched.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise AssertionError(f"the run exited ({launched.returncode}) or did not get there in 300 s: "
+                                         f"{log.read()[-3000:]}")
         finally:
-            os.killpg(launched.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # a run that exited by itself: its group is gone
+                os.killpg(launched.pid, signal.SIGKILL)
             launched.wait()
 
 
@@ -107,9 +111,10 @@ def test_a_training_run_killed_while_it_waits_for_the_pool_slot_gives_up_its_pla
         assert storage.claim_concurrency_slot("training", "training-now", "lora_adapter").is_claimed
 
         def waiting_for_the_slot() -> bool:
-            if storage.get_concurrency_info("training").pending_run_ids:
-                return True
-            return time.sleep(0.5)  # polled while the CLI imports and starts the run
+            waiting = bool(storage.get_concurrency_info("training").pending_run_ids)
+            if not waiting:
+                time.sleep(0.5)  # the poll interval while the CLI imports and starts the run
+            return waiting
 
         _kill_when(tmp_path, waiting_for_the_slot, "--select", "lora_adapter")
         [killed] = [run for run in instance.get_runs() if run.run_id != "training-now"]
