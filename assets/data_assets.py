@@ -2,6 +2,7 @@
 
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import dagster as dg
 from pydantic import Field
@@ -78,6 +79,11 @@ class TrainingDatasetConfig(dg.Config):
         200, gt=0, description="held-out examples written for evaluation; the split's others are neither "
         "trained on nor scored (metadata held_out_examples counts them all)",
     )
+    prompt_format: Literal["plain", "chat_template"] = Field(
+        "plain", description="'plain': bos, then the prompt's text; 'chat_template': the prompt as a user turn in "
+        "the base model tokenizer's chat template, as an instruct model sees it at inference (the template must end "
+        "the assistant turn with the tokenizer's eos). Evaluation lays out held-out prompts the same way",
+    )
     max_repeated_records: float = Field(
         MAX_REPEATED_RECORDS, ge=0.0, le=1.0, allow_inf_nan=False,
         description="no_duplicate_rows fails when more than this share of the day's records repeat an earlier "
@@ -148,6 +154,7 @@ def training_dataset(
             "held_out_examples": dataset.held_out_examples,
             "row_groups": dataset.row_groups,
             "tokens": dataset.tokens,
+            "prompt_format": dataset.prompt_format,
         },
         data_version=dg.DataVersion(dataset.digest),
     )

@@ -164,7 +164,8 @@ def evaluation(
                 not_comparable = f"{error}; {_REPLACED}"
         if not_comparable:
             context.log.warning("not comparing with the champion (run %s): %s", champion.run_id, not_comparable)
-        job = EvaluationJob(base_model.name_or_path, lora_adapter.model_dir, records, settings, champion_model)
+        job = EvaluationJob(base_model.name_or_path, lora_adapter.model_dir, records, settings, champion_model,
+                            window.prompt_format)
         if config.on_ray_cluster:
             from training_core.evaluate.on_ray import evaluate_on_ray
 

@@ -22,6 +22,7 @@ from resources.ray_cluster import (
     connect_unless_connected,
     gpu_available_in_cluster,
 )
+from training_core.data.dataset_writer import read_prompt_format
 from training_core.data.window import eval_records
 from training_core.errors import ConfigError, LineageError, TesseraError
 from training_core.evaluate.compare import EvaluationReport, evaluate_against_base
@@ -118,7 +119,9 @@ def reproduce_run(run_id: str, console: Console, tracking_uri: str | None = None
         # by the next reproduce.
         _remove_reproduction(ray_storage, suffix)
     records = eval_records(recorded.inputs.dataset_paths)
-    base, trained = evaluate_against_base(recorded.inputs.base_model, tracked.result.model_dir, records, eval_settings)
+    prompt_format = read_prompt_format(recorded.inputs.dataset_paths[0])  # the training window refused a mix
+    base, trained = evaluate_against_base(recorded.inputs.base_model, tracked.result.model_dir, records, eval_settings,
+                                          prompt_format)
     report = EvaluationReport(base, trained, tracked.result.model_dir, tracked.mlflow_run_id)
     tracking.log_batch(tracked.mlflow_run_id, metrics=report.as_metrics(), tags=eval_settings.as_tags())
     rows = compare_runs(tracking, run_id, tracked.mlflow_run_id)

@@ -136,7 +136,8 @@ def test_a_record_whose_text_holds_a_special_token_is_refused_naming_it(tmp_path
     token = "</s>" if field == "response" else "<s>"
     with pytest.raises(SourceDataError, match=rf"p: line 201 of .*records\.jsonl, from line 401 of .*source\.jsonl "
                                               rf"\(prompt {re.escape(repr(record['prompt']))}\): its {field} holds the "
-                                              rf"special token '{token}' \(id \d+\); strip it from the text: Tessera puts bos"):
+                                              rf"special token '{token}' \(id \d+\); strip it from the text: "
+                                              rf"Tessera \(or the chat template\) puts bos"):
         write_dataset(records, tokenizer, out, DatasetSpec(), source_label="p", records_path=str(frozen.path))
     assert list(out.iterdir()) == []
 

@@ -25,3 +25,40 @@ def is_eval_prompt(tokenizer, prompt: str, eval_fraction: float) -> bool:
     from training_core.data.packing import is_eval_example, tokenize_example
 
     return is_eval_example(tokenize_example(tokenizer, prompt, "").prompt_ids, eval_fraction)
+
+
+# A chat template in the shape of ChatML: turns marked by special tokens, the assistant's ended by eos.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def chat_tokenizer(directory: Path, template: str | None = CHAT_TEMPLATE):
+    """The demo's tokenizer with two turn markers added as special tokens and ``template`` as its chat
+    template (saved as an instruct model's tokenizer is: chat_template.jinja), loaded as a base model's is."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = train_demo_tokenizer(tokenizer_corpus()).backend_tokenizer
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>", pad_token="<pad>",
+                                        additional_special_tokens=["<|user|>", "<|assistant|>"])
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(directory)
+    return load_tokenizer(str(directory))
+
+
+def chat_model_folder(directory: Path) -> Path:
+    """A tiny randomly initialised Llama (seeded) with :func:`chat_tokenizer`, saved as a user's model
+    folder: its embeddings have rows for the turn markers."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = chat_tokenizer(directory)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(directory)
+    return directory

@@ -4,7 +4,8 @@ Layout of a published dataset (directory name = content digest, so it is immutab
     train/part-00000.parquet …   input_ids, labels: list<int32>[seq_len]; row groups of
                                  `row_group_rows` rows (the loader's unit of work and caching)
     eval.parquet                 prompt, response (raw text, for eval loss and exact-match)
-    manifest.json                counts, spec (seq_len, eval_fraction, …), tokenizer digest, source partitions
+    manifest.json                counts, spec (seq_len, eval_fraction, …), tokenizer digest, source partitions,
+                                 prompt_format when it is not plain
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from training_core.data.packing import (
     require_layout_tokens,
     tokenize_examples,
 )
+from training_core.data.prompt_format import PLAIN, check_prompt_format_name, require_prompt_format
 from training_core.data.sources import RecordLocations
 from training_core.errors import ConfigError, EmptyPartitionError
 from training_core.storage import directory_digest, publish_directory, staging_directory
@@ -45,6 +47,7 @@ class DatasetSpec:
     rows_per_file: int = 1024
     eval_fraction: float = 0.05
     max_eval_examples: int = 200
+    prompt_format: str = PLAIN  # prompt_format.PROMPT_FORMATS
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "row_group_rows", "rows_per_file", "max_eval_examples"):
@@ -53,6 +56,15 @@ class DatasetSpec:
                 raise ConfigError(f"DatasetSpec.{name} must be a whole number ≥ 1, got {value!r}")
         if not 0.0 < self.eval_fraction < 1.0:
             raise ConfigError(f"DatasetSpec.eval_fraction must be between 0 and 1 (exclusive), got {self.eval_fraction!r}")
+        check_prompt_format_name(self.prompt_format)
+
+    def manifest_fields(self) -> dict:
+        """The spec as manifest.json records it. A plain prompt format is left out, as manifests written
+        before formats existed leave it out: the same records give the same bytes, hence the same digest."""
+        fields = asdict(self)
+        if self.prompt_format == PLAIN:
+            del fields["prompt_format"]
+        return fields
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,7 @@ class PublishedDataset:
     eval_fraction: float | None = None
     # Examples the split held out, scored or not: those beyond max_eval_examples are in neither split.
     held_out_examples: int | None = None
+    prompt_format: str = PLAIN
 
     @property
     def train_dir(self) -> Path:
@@ -128,6 +141,7 @@ def write_dataset(
     if first is None:
         raise EmptyPartitionError(f"{source_label}: no records to write")
     require_layout_tokens(tokenizer)
+    require_prompt_format(tokenizer, spec.prompt_format)
 
     def describe(index: int, record: dict[str, str]) -> str:  # as the user can find it (only for an error)
         locations = RecordLocations(records_path)
@@ -150,7 +164,8 @@ def write_dataset(
             # Eval records are checked like train ones, in record order, with the same messages: one
             # longer than seq_len would crash evaluation after training (positions beyond the model's),
             # one holding special tokens could never match.
-            examples = tokenize_examples(tokenizer, [r["prompt"] for r in batch], [r["response"] for r in batch])
+            examples = tokenize_examples(tokenizer, [r["prompt"] for r in batch], [r["response"] for r in batch],
+                                         spec.prompt_format)
             for index, (record, example) in enumerate(zip(batch, examples), start=start):
                 where = functools.partial(describe, index, record)  # called at once, if at all
                 special_tokens.check(example, where)
@@ -181,7 +196,7 @@ def write_dataset(
             staging / EVAL_FILE,
         )
         manifest = {
-            "spec": asdict(spec),
+            "spec": spec.manifest_fields(),
             "source": source_label,
             "train_rows": files.rows,
             "train_examples": train_examples,
@@ -208,6 +223,7 @@ def write_dataset(
         eval_split_method=EVAL_SPLIT_METHOD,
         eval_fraction=spec.eval_fraction,
         held_out_examples=eval_count,
+        prompt_format=spec.prompt_format,
     )
 
 
@@ -251,6 +267,21 @@ class _TrainFiles:
         self._pending_rows -= count
         self.count += 1
         self.rows += count
+
+
+def read_prompt_format(dataset_path: str | Path) -> str:
+    """How the dataset laid out its prompts (prompt_format.PROMPT_FORMATS), from its manifest: evaluation
+    and the quality checks tokenize held-out and source records the same way. A manifest that names none
+    was written plain."""
+    manifest_path = Path(dataset_path) / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        prompt_format = manifest["spec"].get("prompt_format", PLAIN)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ConfigError(f"training dataset {dataset_path}: {manifest_path.name} does not say how its prompts were "
+                          f"laid out ({type(error).__name__}: {error}); rematerialize training_dataset") from error
+    check_prompt_format_name(prompt_format)
+    return prompt_format
 
 
 def read_eval_records(dataset_path: str | Path) -> list[dict[str, str]]:

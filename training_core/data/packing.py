@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from training_core.data.prompt_format import PLAIN, prompt_token_ids
 from training_core.errors import ConfigError, SourceDataError
 
 IGNORE_INDEX = -100
@@ -40,23 +41,21 @@ def is_eval_example(prompt_ids: Sequence[int], eval_fraction: float) -> bool:
     return bucket < eval_fraction * 10_000
 
 
-def tokenize_example(tokenizer, prompt: str, response: str) -> TokenizedExample:
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-    if tokenizer.bos_token_id is not None:
-        prompt_ids = [tokenizer.bos_token_id, *prompt_ids]
-    return TokenizedExample(prompt_ids=list(prompt_ids), response_ids=[*response_ids, tokenizer.eos_token_id])
+def tokenize_example(tokenizer, prompt: str, response: str, prompt_format: str = PLAIN) -> TokenizedExample:
+    return tokenize_examples(tokenizer, [prompt], [response], prompt_format)[0]
 
 
-def tokenize_examples(tokenizer, prompts: list[str], responses: list[str]) -> list[TokenizedExample]:
-    """:func:`tokenize_example` for many records in two batched tokenizer calls (the same ids; a
-    fast tokenizer encodes a batch in Rust, several times faster than one call per text)."""
+def tokenize_examples(tokenizer, prompts: list[str], responses: list[str],
+                      prompt_format: str = PLAIN) -> list[TokenizedExample]:
+    """Each record as the prompt's tokens laid out by ``prompt_format`` (:mod:`prompt_format`: bos and
+    the text, or the chat template's user turn) and the response's tokens followed by eos, in two
+    batched tokenizer calls (a fast tokenizer encodes a batch in Rust, several times faster than one
+    call per text)."""
     if not prompts:
         return []
-    prompt_batch = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    prompt_batch = prompt_token_ids(tokenizer, prompts, prompt_format)
     response_batch = tokenizer(responses, add_special_tokens=False)["input_ids"]
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return [TokenizedExample(prompt_ids=[*bos, *prompt_ids], response_ids=[*response_ids, tokenizer.eos_token_id])
+    return [TokenizedExample(prompt_ids=prompt_ids, response_ids=[*response_ids, tokenizer.eos_token_id])
             for prompt_ids, response_ids in zip(prompt_batch, response_batch)]
 
 
@@ -138,11 +137,13 @@ class SpecialTokensInText:
             "response": frozenset({eos, pad} - {None}),
         }
         self.tokenizer = tokenizer
-        self.bos_added = int(bos is not None)
+        self.bos = bos
 
     def check(self, example: TokenizedExample, describe: Callable[[], str]) -> None:
         """Raise SourceDataError, naming the record by ``describe()``, the field and the token."""
-        texts = {"prompt": example.prompt_ids[self.bos_added :], "response": example.response_ids[:-1]}
+        # The bos that opens the prompt is the one Tessera (or the chat template) put there.
+        opening = int(self.bos is not None and example.prompt_ids[:1] == [self.bos])
+        texts = {"prompt": example.prompt_ids[opening:], "response": example.response_ids[:-1]}
         for field, ids in texts.items():
             refused = self.refused[field]
             if refused.isdisjoint(ids):
@@ -150,8 +151,8 @@ class SpecialTokensInText:
             found = next(token for token in ids if token in refused)
             raise SourceDataError(
                 f"{describe()}: its {field} holds the special token {self.tokenizer.convert_ids_to_tokens(found)!r} "
-                f"(id {found}); strip it from the text: Tessera puts bos before every prompt and eos after every "
-                "response itself"
+                f"(id {found}); strip it from the text: Tessera (or the chat template) puts bos before every "
+                "prompt and eos after every response itself"
             )
 
 

@@ -13,9 +13,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from training_core.data.dataset_writer import batched, read_eval_records
+from training_core.data.dataset_writer import batched, read_eval_records, read_prompt_format
 from training_core.data.frozen_records import read_frozen_record
 from training_core.data.packing import IGNORE_INDEX, content_lengths, example_starts, tokenize_examples
+from training_core.data.prompt_format import PLAIN
 from training_core.data.sources import RecordLocations
 
 
@@ -85,11 +86,12 @@ class _RowStats:
                             f"(packing must fill ≥ 50%; {fill:.0%} with it)", metadata)
 
 
-def _eval_sequences(dataset_path: str, tokenizer) -> dict[tuple[int, ...], dict[str, str]]:
+def _eval_sequences(dataset_path: str, tokenizer, prompt_format: str) -> dict[tuple[int, ...], dict[str, str]]:
     """The held-out examples' token sequences, tokenized as the writer tokenized the training rows,
     each with (the first of) the held-out records it is."""
     records = read_eval_records(dataset_path)
-    examples = tokenize_examples(tokenizer, [r["prompt"] for r in records], [r["response"] for r in records])
+    examples = tokenize_examples(tokenizer, [r["prompt"] for r in records], [r["response"] for r in records],
+                                 prompt_format)
     sequences: dict[tuple[int, ...], dict[str, str]] = {}
     for record, example in zip(records, examples):
         sequences.setdefault(tuple(example.prompt_ids + example.response_ids), record)
@@ -118,7 +120,8 @@ class SourceRecords:
     file): the earlier record a repeat names is then read again from there, for the few named."""
 
     def __init__(self, records: Iterable[dict[str, str]], tokenizer, records_path: str | None,
-                 held_out: dict[tuple[int, ...], dict[str, str]], limit: int = 3) -> None:
+                 held_out: dict[tuple[int, ...], dict[str, str]], limit: int = 3,
+                 prompt_format: str = PLAIN) -> None:
         if not isinstance(records, Sequence) and records_path is None:
             raise ValueError("SourceRecords: records read once (an iterator) need records_path, the file they are "
                              "read from, to name the earlier record a repeat repeats")
@@ -129,7 +132,8 @@ class SourceRecords:
         first: dict[bytes, int] = {}
         for batch in batched(records, _TOKENIZE_BATCH):
             start, self.count = self.count, self.count + len(batch)
-            examples = tokenize_examples(tokenizer, [r["prompt"] for r in batch], [r["response"] for r in batch])
+            examples = tokenize_examples(tokenizer, [r["prompt"] for r in batch], [r["response"] for r in batch],
+                                         prompt_format)
             for index, (record, example) in enumerate(zip(batch, examples), start=start):
                 key = _token_key(example.prompt_ids + example.response_ids)
                 if key in held_out_texts and _text_key(record) == held_out_texts[key]:
@@ -314,7 +318,8 @@ def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer, records: Iter
     files = sorted((Path(dataset_path) / "train").glob("*.parquet"))
     schema = pq.read_schema(files[0]) if files else pa.schema([])
     stats, widths, leaked = _RowStats(), set(), 0
-    held_out = _eval_sequences(dataset_path, tokenizer)
+    prompt_format = read_prompt_format(dataset_path)  # tokenized again as the writer tokenized them
+    held_out = _eval_sequences(dataset_path, tokenizer, prompt_format)
     found_at: dict[tuple[int, ...], tuple[str, int]] = {}  # where each leaked example is first found
     # Only windows at an example's start count: a held-out example that is the tail of a longer
     # training one was not copied into training. Starts are read from the packed layout, so the
@@ -342,7 +347,8 @@ def run_dataset_checks(dataset_path: str, seq_len: int, tokenizer, records: Iter
     if other_schema:
         schema_outcome = CheckOutcome("schema", False, f"{', '.join(other_schema)}: another schema than "
                                       f"{files[0].name} ({schema_outcome.description})", schema_outcome.metadata)
-    source = SourceRecords(records, tokenizer, records_path, held_out) if records is not None else None
+    source = (SourceRecords(records, tokenizer, records_path, held_out, prompt_format=prompt_format)
+              if records is not None else None)
     if source is not None and not source.count:
         source = None  # no records to judge: as if none were given
     empty_rows, token_lengths = stats.outcomes(seq_len)

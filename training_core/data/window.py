@@ -33,6 +33,12 @@ class DatasetWindow:
             raise ValueError(f"partitions {keys} were packed with different seq_len {sorted(seq_lens)}; "
                              "rematerialize training_dataset for them with one seq_len")
         _refuse_mixed_eval_splits({k: by_partition[k].eval_split() for k in keys})
+        formats = {k: by_partition[k].prompt_format for k in keys}
+        if len(set(formats.values())) > 1:
+            days = ", ".join(f"{key} (prompt_format={prompt_format})" for key, prompt_format in formats.items())
+            raise ValueError(f"partitions {days} laid out their prompts differently, so the model would learn two "
+                             "prompt layouts and be scored on one; rematerialize training_dataset for them with one "
+                             "prompt_format")
         return cls(keys, [by_partition[k] for k in keys])
 
     @property
@@ -46,6 +52,12 @@ class DatasetWindow:
     @property
     def seq_len(self) -> int:
         return self.datasets[0].seq_len
+
+    @property
+    def prompt_format(self) -> str:
+        """How every day laid out its prompts (one format: from_partitions refuses a mix); evaluation
+        tokenizes the held-out records the same way."""
+        return self.datasets[0].prompt_format
 
     def eval_records(self) -> list[dict[str, str]]:
         return eval_records(self.paths)

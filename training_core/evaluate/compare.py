@@ -10,6 +10,7 @@ import socket
 from dataclasses import dataclass
 
 from training_core.base_model import load_tokenizer
+from training_core.data.prompt_format import PLAIN
 from training_core.errors import TesseraError
 from training_core.evaluate.model_folder import check_trained_model_dir
 from training_core.evaluate.results import EvalMetrics
@@ -56,17 +57,18 @@ class EvaluationReport:
 
 
 def evaluate_trained(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]], tokenizer=None,
-                     settings: EvalSettings | None = None) -> EvalMetrics:
+                     settings: EvalSettings | None = None, prompt_format: str = PLAIN) -> EvalMetrics:
     from training_core.evaluate.metrics import evaluate, load_model_for_eval
 
     settings = (settings or EvalSettings()).for_this_process()
     tokenizer = tokenizer or load_tokenizer(base_model_path)
     model = load_model_for_eval(base_model_path, trained_model_dir, settings)
-    return evaluate(model, tokenizer, records, settings.batch_size)
+    return evaluate(model, tokenizer, records, settings.batch_size, prompt_format)
 
 
 def evaluate_against_base(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]],
-                          settings: EvalSettings | None = None) -> tuple[EvalMetrics, EvalMetrics]:
+                          settings: EvalSettings | None = None,
+                          prompt_format: str = PLAIN) -> tuple[EvalMetrics, EvalMetrics]:
     from training_core.evaluate.metrics import evaluate, load_model_for_eval
 
     # Checked first: a device this process lacks, or a damaged trained folder, would otherwise fail only
@@ -74,8 +76,9 @@ def evaluate_against_base(base_model_path: str, trained_model_dir: str, records:
     settings = (settings or EvalSettings()).for_this_process()
     check_trained_model_dir(trained_model_dir)
     tokenizer = load_tokenizer(base_model_path)
-    base = evaluate(load_model_for_eval(base_model_path, None, settings), tokenizer, records, settings.batch_size)
-    return base, evaluate_trained(base_model_path, trained_model_dir, records, tokenizer, settings)
+    base = evaluate(load_model_for_eval(base_model_path, None, settings), tokenizer, records, settings.batch_size,
+                    prompt_format)
+    return base, evaluate_trained(base_model_path, trained_model_dir, records, tokenizer, settings, prompt_format)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class EvaluationJob:
     records: list[dict[str, str]]
     settings: EvalSettings = EvalSettings()
     champion: tuple[str, str] | None = None  # (base model, model folder) of the current champion
+    prompt_format: str = PLAIN  # the records' datasets' (DatasetWindow.prompt_format)
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,8 @@ def champion_not_comparable(champion_base_model: str, base_model: str) -> str | 
 def run_evaluation(job: EvaluationJob) -> EvaluationOutcome:
     """Base vs trained (vs champion), all with the same settings."""
     settings = job.settings.for_this_process()
-    base, trained = evaluate_against_base(job.base_model_path, job.trained_model_dir, job.records, settings)
-    champion = evaluate_trained(*job.champion, job.records, settings=settings) if job.champion else None
+    base, trained = evaluate_against_base(job.base_model_path, job.trained_model_dir, job.records, settings,
+                                          job.prompt_format)
+    champion = (evaluate_trained(*job.champion, job.records, settings=settings, prompt_format=job.prompt_format)
+                if job.champion else None)
     return EvaluationOutcome(settings, base, trained, champion, f"{socket.gethostname()} pid {os.getpid()}")

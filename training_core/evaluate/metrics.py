@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from training_core.data.packing import tokenize_examples
+from training_core.data.prompt_format import PLAIN
 from training_core.evaluate.model_folder import TrainedModelError, check_trained_model_dir
 from training_core.evaluate.results import EvalMetrics
 from training_core.evaluate.settings import EvalSettings
@@ -52,11 +53,14 @@ def _naming_the_folder(trained_model_dir: str, how: str):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, records: list[dict[str, str]], batch_size: int = 64) -> EvalMetrics:
-    """On the model's device, in its precision (logits are scored in fp32)."""
+def evaluate(model, tokenizer, records: list[dict[str, str]], batch_size: int = 64,
+             prompt_format: str = PLAIN) -> EvalMetrics:
+    """On the model's device, in its precision (logits are scored in fp32). ``prompt_format``: the one
+    the records' dataset was written with (its prompts are laid out as in training)."""
     if not records:
         raise ValueError("evaluation needs at least one held-out record")
-    examples = tokenize_examples(tokenizer, [r["prompt"] for r in records], [r["response"] for r in records])
+    examples = tokenize_examples(tokenizer, [r["prompt"] for r in records], [r["response"] for r in records],
+                                 prompt_format)
     pad = tokenizer.pad_token_id
     device = next(model.parameters()).device
     keeps_logits = _takes_logits_to_keep(model)
