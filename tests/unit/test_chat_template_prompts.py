@@ -167,3 +167,22 @@ def test_evaluation_scores_held_out_records_in_the_datasets_layout(tmp_path, rec
     plain = evaluate(model, tokenizer, held_out, settings.batch_size, PLAIN)
     assert outcome.base == outcome.trained == chat
     assert not np.isclose(chat.loss, plain.loss)
+
+
+def test_the_champion_is_scored_in_this_runs_layout_even_when_its_folder_has_no_template(tmp_path, records):
+    """A champion trained on a base model with the same tokenizer but no chat template (the base model of
+    an instruct one) is compared on the same token sequences, not refused or scored in another layout."""
+    import shutil
+
+    from training_core.evaluate.compare import EvaluationJob, champion_not_comparable, run_evaluation
+    from training_core.evaluate.settings import EvalSettings
+
+    folder = chat_model_folder(tmp_path / "instruct")
+    without_template = tmp_path / "base"
+    shutil.copytree(folder, without_template)
+    (without_template / "chat_template.jinja").unlink()
+    assert champion_not_comparable(str(without_template), str(folder)) is None
+    job = EvaluationJob(str(folder), str(folder), records[:16], EvalSettings(), (str(without_template), str(folder)),
+                        CHAT_TEMPLATE)
+    outcome = run_evaluation(job)
+    assert outcome.champion == outcome.trained

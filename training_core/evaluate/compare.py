@@ -67,15 +67,15 @@ def evaluate_trained(base_model_path: str, trained_model_dir: str, records: list
 
 
 def evaluate_against_base(base_model_path: str, trained_model_dir: str, records: list[dict[str, str]],
-                          settings: EvalSettings | None = None,
-                          prompt_format: str = PLAIN) -> tuple[EvalMetrics, EvalMetrics]:
+                          settings: EvalSettings | None = None, prompt_format: str = PLAIN,
+                          tokenizer=None) -> tuple[EvalMetrics, EvalMetrics]:
     from training_core.evaluate.metrics import evaluate, load_model_for_eval
 
     # Checked first: a device this process lacks, or a damaged trained folder, would otherwise fail only
     # after the base model's evaluation.
     settings = (settings or EvalSettings()).for_this_process()
     check_trained_model_dir(trained_model_dir)
-    tokenizer = load_tokenizer(base_model_path)
+    tokenizer = tokenizer or load_tokenizer(base_model_path)
     base = evaluate(load_model_for_eval(base_model_path, None, settings), tokenizer, records, settings.batch_size,
                     prompt_format)
     return base, evaluate_trained(base_model_path, trained_model_dir, records, tokenizer, settings, prompt_format)
@@ -132,8 +132,12 @@ def champion_not_comparable(champion_base_model: str, base_model: str) -> str | 
 def run_evaluation(job: EvaluationJob) -> EvaluationOutcome:
     """Base vs trained (vs champion), all with the same settings."""
     settings = job.settings.for_this_process()
+    # One tokenizer lays out the records for every model, the champion too: it is compared only when its
+    # base model's tokenizer reads text alike (champion_not_comparable), and its folder's chat template,
+    # which that check does not compare, could lay prompts out otherwise (or be missing).
+    tokenizer = load_tokenizer(job.base_model_path)
     base, trained = evaluate_against_base(job.base_model_path, job.trained_model_dir, job.records, settings,
-                                          job.prompt_format)
-    champion = (evaluate_trained(*job.champion, job.records, settings=settings, prompt_format=job.prompt_format)
+                                          job.prompt_format, tokenizer)
+    champion = (evaluate_trained(*job.champion, job.records, tokenizer, settings, job.prompt_format)
                 if job.champion else None)
     return EvaluationOutcome(settings, base, trained, champion, f"{socket.gethostname()} pid {os.getpid()}")
