@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from training_core.base_model import base_model_changes
+from training_core.data.dataset_writer import read_prompt_format
 from training_core.errors import ConfigError, LineageError
 from training_core.lineage import build_lineage_record
 from training_core.storage import changed_files
@@ -195,7 +196,10 @@ def run_tracked_training(
     name = ray_run_name(inputs, lineage, run_name_suffix)
     for abandoned in tracking.end_abandoned_runs(run_has_ended):
         log.warning("MLflow run %s was left RUNNING by a process that is gone: marked KILLED", abandoned)
-    run_id = tracking.start_run(name, tags={"method": config.method, **(extra_tags or {})})
+    # Whoever serves the model must lay prompts out as it was trained (the window holds one format).
+    prompt_format = read_prompt_format(inputs.dataset_paths[0])
+    run_id = tracking.start_run(name, tags={"method": config.method, "prompt_format": prompt_format,
+                                            **(extra_tags or {})})
     # Said first, so a step that fails (or is stopped) names the MLflow run that holds its lineage.
     log.info("MLflow run %s (experiment %s) started: training Ray run %s", run_id, tracking.experiment_id, name)
     try:

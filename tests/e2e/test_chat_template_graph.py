@@ -69,3 +69,5 @@ def test_a_chat_template_day_trains_and_is_evaluated_in_the_templates_layout(ray
     (reproduced,) = client.search_runs([client.get_run(original).info.experiment_id],
                                        filter_string=f"tags.reproduces = '{original}'")
     assert reproduced.data.metrics["eval_loss"] == client.get_run(original).data.metrics["eval_loss"]
+    # whoever serves the model reads how its prompts were laid out from the run
+    assert {client.get_run(r).data.tags["prompt_format"] for r in (original, reproduced.info.run_id)} == {CHAT_TEMPLATE}
