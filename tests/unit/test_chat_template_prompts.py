@@ -186,3 +186,17 @@ def test_the_champion_is_scored_in_this_runs_layout_even_when_its_folder_has_no_
                         CHAT_TEMPLATE)
     outcome = run_evaluation(job)
     assert outcome.champion == outcome.trained
+
+
+def test_a_template_that_writes_the_clock_into_its_system_turn_renders_the_same_every_time(tmp_path):
+    """As Llama 3.2's does (strftime_now unless date_string is given): the layout must not depend on when a
+    day is written, evaluated or reproduced. Microseconds here, so two renders always differ if unpinned."""
+    from training_core.data.prompt_format import TEMPLATE_VARIABLES, chat_prompt_texts
+
+    from .tokenizer_support import CHAT_TEMPLATE as TEMPLATE
+
+    dated = ("{%- if not date_string is defined %}{%- set date_string = strftime_now('%H:%M:%S.%f') %}{%- endif %}"
+             "<|system|> {{ date_string }} " + TEMPLATE)
+    tokenizer = chat_tokenizer(tmp_path / "tokenizer", dated)
+    first, second = chat_prompt_texts(tokenizer, ["encode: a b"]), chat_prompt_texts(tokenizer, ["encode: a b"])
+    assert first == second and TEMPLATE_VARIABLES["date_string"] in first[0]

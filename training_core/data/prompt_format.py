@@ -19,6 +19,10 @@ PROMPT_FORMATS = (PLAIN, CHAT_TEMPLATE)
 
 # A conversation rendered once to check a template ends the assistant turn with eos (see require_prompt_format).
 _PROBE_PROMPT, _PROBE_RESPONSE = "Hi", "Hello"
+# Variables every template render gets. Llama 3.x templates write a date into their system turn, taken from
+# the clock (strftime_now) unless date_string is given: pinned (to Llama 3.1's own default), the layout is a
+# function of the record alone, so a day's dataset, its eval split and a later reproduction tokenize alike.
+TEMPLATE_VARIABLES = {"date_string": "26 Jul 2024"}
 
 
 def _tokenizer_name(tokenizer) -> str:
@@ -53,9 +57,9 @@ def require_prompt_format(tokenizer, prompt_format: str) -> None:
                           "or a tokenizer that ships one")
     user = _user_turns([_PROBE_PROMPT])[0]
     try:
-        opening = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        opening = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, **TEMPLATE_VARIABLES)
         whole = tokenizer.apply_chat_template([*user, {"role": "assistant", "content": _PROBE_RESPONSE}],
-                                              tokenize=False)
+                                              tokenize=False, **TEMPLATE_VARIABLES)
     except Exception as error:  # noqa: BLE001 - a template's own error (jinja, raise_exception): named, chained
         raise ConfigError(f"tokenizer {name}: its chat template cannot render a user turn followed by an "
                           f"assistant turn ({type(error).__name__}: {error})") from error
@@ -73,12 +77,18 @@ def require_prompt_format(tokenizer, prompt_format: str) -> None:
         )
 
 
+def chat_prompt_texts(tokenizer, prompts: list[str]) -> list[str]:
+    """Each prompt rendered as the template's user turn with the assistant turn opened."""
+    return tokenizer.apply_chat_template(_user_turns(prompts), tokenize=False, add_generation_prompt=True,
+                                         **TEMPLATE_VARIABLES)
+
+
 def prompt_token_ids(tokenizer, prompts: list[str], prompt_format: str) -> list[list[int]]:
     """The prompt tokens of each record, in one batched tokenizer call (a fast tokenizer encodes a
     batch in Rust). ``chat_template`` renders the text and tokenizes it without special tokens, as
     ``apply_chat_template(tokenize=True)`` does, so the template's bos is the only one."""
     if prompt_format == CHAT_TEMPLATE:
-        texts = tokenizer.apply_chat_template(_user_turns(prompts), tokenize=False, add_generation_prompt=True)
+        texts = chat_prompt_texts(tokenizer, prompts)
         return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     check_prompt_format_name(prompt_format)
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
