@@ -5,6 +5,7 @@ trained that way are refused before anything is written."""
 from __future__ import annotations
 
 import json
+import pickle
 import typing
 from dataclasses import replace
 from pathlib import Path
@@ -106,7 +107,10 @@ def test_a_window_mixing_prompt_formats_is_refused_naming_the_days(tokenizer, re
     # handed over (pickled by Dagster) before PublishedDataset recorded a format: every such dataset is plain
     older = replace(plain)
     del older.__dict__["prompt_format"]
-    assert older.prompt_format == PLAIN
+    older = pickle.loads(pickle.dumps(older))
+    assert "prompt_format" not in older.__dict__ and older.prompt_format == PLAIN
+    with pytest.raises(ValueError, match=r"2026-11-01 \(prompt_format=plain\), 2026-11-02 \(prompt_format=chat_"):
+        DatasetWindow.from_partitions({"2026-11-01": older, "2026-11-02": chat})
 
 
 REFUSED_TEMPLATES = {
