@@ -204,3 +204,38 @@ def test_a_template_that_writes_the_clock_into_its_system_turn_renders_the_same_
     tokenizer = chat_tokenizer(tmp_path / "tokenizer", dated)
     first, second = chat_prompt_texts(tokenizer, ["encode: a b"]), chat_prompt_texts(tokenizer, ["encode: a b"])
     assert first == second and TEMPLATE_VARIABLES["date_string"] in first[0]
+
+
+# The shapes of two families' instruct templates (simplified: no system or tool turns), each with the eos
+# its instruct tokenizer ships, and with the eos of its base model's tokenizer, which ends no turn.
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + "
+          "m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+FAMILIES = {
+    "Qwen instruct": (CHATML, ("<|im_start|>", "<|im_end|>", "<|endoftext|>"),
+                      {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, True),
+    "Qwen base": (CHATML, ("<|im_start|>", "<|im_end|>", "<|endoftext|>"),
+                  {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}, False),
+    "Llama 3 instruct": (LLAMA3, ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+                         {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}, True),
+}
+
+
+@pytest.mark.parametrize("template, markers, special_tokens, accepted", FAMILIES.values(), ids=FAMILIES.keys())
+def test_instruct_template_shapes_are_accepted_with_their_turn_end_as_eos(tmp_path, records, template, markers,
+                                                                         special_tokens, accepted):
+    tokenizer = chat_tokenizer(tmp_path / "tokenizer", template, markers, **special_tokens)
+    if not accepted:
+        with pytest.raises(ConfigError, match=r"does not end the assistant turn with the eos token '<\|endoftext\|>' "
+                                              r"right after the response \(the turn renders as 'Hello<\|im_end\|>\\n'\)"):
+            write_dataset(records, tokenizer, tmp_path / "out", CHAT, source_label="p")
+        return
+    dataset = write_dataset(records, tokenizer, tmp_path / "out", CHAT, source_label="p")
+    example = tokenize_examples(tokenizer, [records[0]["prompt"]], [records[0]["response"]], CHAT_TEMPLATE)[0]
+    exchange = [{"role": "user", "content": records[0]["prompt"]},
+                {"role": "assistant", "content": records[0]["response"]}]
+    rendered = tokenizer.apply_chat_template(exchange)["input_ids"]
+    assert rendered[: len(example.prompt_ids) + len(example.response_ids)] == example.prompt_ids + example.response_ids
+    assert dataset.train_examples > 0

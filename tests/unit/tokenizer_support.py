@@ -33,15 +33,16 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m
                  "{% if add_generation_prompt %}<|assistant|> {% endif %}")
 
 
-def chat_tokenizer(directory: Path, template: str | None = CHAT_TEMPLATE):
-    """The demo's tokenizer with two turn markers added as special tokens and ``template`` as its chat
+def chat_tokenizer(directory: Path, template: str | None = CHAT_TEMPLATE,
+                   markers: tuple[str, ...] = ("<|user|>", "<|assistant|>"), **special_tokens: str):
+    """The demo's tokenizer with turn ``markers`` added as special tokens and ``template`` as its chat
     template (saved as an instruct model's tokenizer is: chat_template.jinja), loaded as a base model's is."""
     from transformers import PreTrainedTokenizerFast
 
     backend = train_demo_tokenizer(tokenizer_corpus()).backend_tokenizer
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                                        eos_token="</s>", pad_token="<pad>",
-                                        additional_special_tokens=["<|user|>", "<|assistant|>"])
+    special_tokens = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", **special_tokens}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                        additional_special_tokens=list(markers), **special_tokens)
     tokenizer.chat_template = template
     tokenizer.save_pretrained(directory)
     return load_tokenizer(str(directory))
