@@ -213,25 +213,18 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['con
 LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + "
           "m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
-FAMILIES = {
-    "Qwen instruct": (CHATML, ("<|im_start|>", "<|im_end|>", "<|endoftext|>"),
-                      {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, True),
-    "Qwen base": (CHATML, ("<|im_start|>", "<|im_end|>", "<|endoftext|>"),
-                  {"bos_token": None, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}, False),
-    "Llama 3 instruct": (LLAMA3, ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-                         {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}, True),
+QWEN_MARKERS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+INSTRUCT = {
+    "Qwen": (CHATML, QWEN_MARKERS, {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+    "Llama 3": (LLAMA3, ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+                {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
 }
 
 
-@pytest.mark.parametrize("template, markers, special_tokens, accepted", FAMILIES.values(), ids=FAMILIES.keys())
+@pytest.mark.parametrize("template, markers, special_tokens", INSTRUCT.values(), ids=INSTRUCT.keys())
 def test_instruct_template_shapes_are_accepted_with_their_turn_end_as_eos(tmp_path, records, template, markers,
-                                                                         special_tokens, accepted):
+                                                                         special_tokens):
     tokenizer = chat_tokenizer(tmp_path / "tokenizer", template, markers, **special_tokens)
-    if not accepted:
-        with pytest.raises(ConfigError, match=r"does not end the assistant turn with the eos token '<\|endoftext\|>' "
-                                              r"right after the response \(the turn renders as 'Hello<\|im_end\|>\\n'\)"):
-            write_dataset(records, tokenizer, tmp_path / "out", CHAT, source_label="p")
-        return
     dataset = write_dataset(records, tokenizer, tmp_path / "out", CHAT, source_label="p")
     example = tokenize_examples(tokenizer, [records[0]["prompt"]], [records[0]["response"]], CHAT_TEMPLATE)[0]
     exchange = [{"role": "user", "content": records[0]["prompt"]},
@@ -239,3 +232,12 @@ def test_instruct_template_shapes_are_accepted_with_their_turn_end_as_eos(tmp_pa
     rendered = tokenizer.apply_chat_template(exchange)["input_ids"]
     assert rendered[: len(example.prompt_ids) + len(example.response_ids)] == example.prompt_ids + example.response_ids
     assert dataset.train_examples > 0
+
+
+def test_a_base_models_tokenizer_under_its_instruct_template_is_refused_showing_the_turn_end(tmp_path, records):
+    """Qwen's base tokenizer ends text with <|endoftext|>, which ChatML never puts after a response."""
+    tokenizer = chat_tokenizer(tmp_path / "tokenizer", CHATML, QWEN_MARKERS, bos_token=None,
+                               eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    with pytest.raises(ConfigError, match=r"does not end the assistant turn with the eos token '<\|endoftext\|>' right "
+                                          r"after the response \(the turn renders as 'Hello<\|im_end\|>\\n'\)"):
+        write_dataset(records, tokenizer, tmp_path / "out", CHAT, source_label="p")
